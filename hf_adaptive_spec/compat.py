@@ -1,0 +1,101 @@
+"""What this library can run exactly, and clear refusals for everything else.
+
+Model-family specifics live here and in `ModelRunner` (position layout), not
+in the decoding loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+_FULL_ATTENTION_LAYER_TYPES = ("full_attention",)
+# raw multimodal inputs a drafter may need in its prefill
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "pixel_values_videos",
+    "image_sizes",
+    "image_sizes_videos",
+    "image_grid_thw",
+    "video_grid_thw",
+    "mm_token_type_ids",
+    "vision_aspect_ratio",
+    "batch_num_images",
+    "second_per_grid_ts",
+    "pixel_attention_mask",
+)
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_model(model, role: str) -> None:
+    """Raise a `ValueError` naming the problem if `model` cannot verify or draft trees exactly."""
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"spec_strategy supports decoder-only LMs and VLMs; the {role} {name} is encoder-decoder.")
+    if getattr(model, "_is_stateful", False):
+        raise ValueError(
+            f"The {role} {name} keeps recurrent state, which cannot verify a tree through an attention mask; "
+            "spec_strategy supports attention-only models."
+        )
+    text_config = _text_config(model)
+    attn = getattr(text_config, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", None)
+    if attn not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"The {role} {name} uses attn_implementation={attn!r}, which cannot carry a tree attention mask "
+            f"(flash-attention treats masks as 2D padding). Load it with attn_implementation=\"sdpa\" "
+            f"(supported: {', '.join(SUPPORTED_ATTENTION)})."
+        )
+    layer_types = getattr(text_config, "layer_types", None) or ()
+    other = sorted({t for t in layer_types if t not in _FULL_ATTENTION_LAYER_TYPES})
+    if other:
+        raise ValueError(
+            f"The {role} {name} has layers of type {other}; spec_strategy supports only full-attention layers "
+            "(recurrent, linear-attention and sliding-window layers are not supported yet)."
+        )
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"The {role} {name} does not accept explicit position_ids, which tree verification needs.")
+
+
+def check_cache(cache, role: str) -> None:
+    """Only an empty `DynamicCache` of plain full-attention layers is supported."""
+    if type(cache) is not DynamicCache:
+        raise ValueError(
+            f"spec_strategy needs a DynamicCache for the {role}, got {type(cache).__name__}; "
+            "do not pass cache_implementation or a static/quantized/offloaded cache."
+        )
+    bad = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if bad:
+        raise ValueError(f"The {role}'s cache has layers of type {bad}; spec_strategy supports DynamicLayer only.")
+    if cache.get_seq_length() != 0:
+        raise ValueError("spec_strategy cannot continue from a non-empty past_key_values; pass a fresh cache or none.")
+
+
+def check_pair(target, drafter, tokenizer=None, assistant_tokenizer=None) -> None:
+    """The drafter must speak the target's vocabulary exactly."""
+    target_vocab = _text_config(target).vocab_size
+    drafter_vocab = _text_config(drafter).vocab_size
+    if target_vocab != drafter_vocab:
+        raise ValueError(
+            f"The drafter's vocabulary ({drafter_vocab} tokens) does not match the target's ({target_vocab}); "
+            "spec_strategy needs a drafter that shares the target's tokenizer."
+        )
+    target_head, drafter_head = target.get_output_embeddings(), drafter.get_output_embeddings()
+    if target_head is not None and drafter_head is not None:
+        if target_head.weight.shape[0] != drafter_head.weight.shape[0]:
+            raise ValueError(
+                f"The drafter's LM head has {drafter_head.weight.shape[0]} outputs, the target's "
+                f"{target_head.weight.shape[0]}; spec_strategy needs identical vocabularies."
+            )
+    if assistant_tokenizer is not None:
+        if tokenizer is None or tokenizer.get_vocab() != assistant_tokenizer.get_vocab():
+            raise ValueError(
+                "spec_strategy needs a drafter that shares the target's tokenizer; the assistant_tokenizer "
+                "differs from the target's (universal assisted decoding is not supported)."
+            )

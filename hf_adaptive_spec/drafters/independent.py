@@ -1,0 +1,180 @@
+"""An independent HF model as drafter: it expands the tree level by level, one forward per level.
+
+The drafter keeps its own KV cache. Between rounds it holds every committed
+token except the `pending` ones (at most two per row: an accepted leaf it
+never processed, and the target's bonus token). A round's first forward runs
+the pending tokens, whose last is the tree root; each further forward runs
+the nodes of one level that the strategy chose to expand, under a tree mask.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from ..compat import MULTIMODAL_KEYS, check_cache
+from ..runner import ModelRunner
+from ..strategies import Frontier
+from ..tree import DraftTree, TreeBuilder, compact_true
+
+
+class IndependentDrafter:
+    """Drafts trees with any HF causal LM or VLM that shares the target's tokenizer.
+
+    Args:
+        model: the drafter model (`assistant_model`).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.runner: ModelRunner | None = None
+        self.pending: torch.Tensor | None = None  # (B, P) right-aligned
+        self.pending_valid: torch.Tensor | None = None  # (B, P)
+        self._tail_parents = None
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, raw_inputs: dict) -> None:
+        """Run the prompt (with the image, for a VLM drafter) into a fresh cache."""
+        model = self.model
+        cache = DynamicCache(config=model.config)
+        check_cache(cache, "drafter")
+        accepted = set(inspect.signature(model.forward).parameters)
+        kwargs = {k: raw_inputs[k] for k in MULTIMODAL_KEYS if raw_inputs.get(k) is not None and k in accepted}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        position_ids = model._prepare_position_ids_for_generation(input_ids, {**kwargs, "past_key_values": cache})
+        inputs = model.prepare_inputs_for_generation(
+            input_ids, past_key_values=cache, position_ids=position_ids, use_cache=True, is_first_iteration=True,
+            **kwargs,
+        )
+        if "logits_to_keep" in accepted:
+            inputs["logits_to_keep"] = 1
+        model(**inputs)
+        if cache.get_seq_length() != input_ids.shape[1]:
+            raise ValueError(
+                f"The drafter's prefill cached {cache.get_seq_length()} positions for a {input_ids.shape[1]}-token "
+                "prompt; its processor must expand image tokens like the target's."
+            )
+        slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        self.runner = ModelRunner(model, cache, slot_valid, position_ids)
+
+    def set_pending(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+        self.pending, self.pending_valid = tokens, valid
+
+    @torch.no_grad()
+    def draft(self, strategy, process, max_depth: torch.Tensor) -> DraftTree:
+        """Build one round's tree.
+
+        Args:
+            strategy (`Strategy`): decides which candidates enter and grow.
+            process (callable): `process(logits (B, X, V), paths (B, X, D), depths (B, X), valid (B, X))` applies
+                generate's logits processors with each node's own prefix.
+            max_depth (`torch.LongTensor` of shape `(B,)`): deepest level each row may draft (its token budget).
+
+        Returns:
+            `DraftTree` whose root (node 0) is the last pending token.
+        """
+        runner = self.runner
+        tokens, valid = self.pending, self.pending_valid
+        batch, num_pending = tokens.shape
+        device = tokens.device
+        # pending tokens form a chain (right-aligned, so the real ones are contiguous at the end)
+        column = torch.arange(num_pending, device=device)
+        chain_parent = torch.where(valid & torch.roll(valid, 1, dims=1) & (column > 0), column - 1, -1)
+        output = runner.forward(tokens, chain_parent, valid, logits_to_keep=1)
+        no_path = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
+        zero_depth = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        ones = torch.ones(batch, 1, dtype=torch.bool, device=device)
+        root_logits = process(output.logits[:, -1:].float(), no_path, zero_depth, ones)  # (B, 1, V)
+        strategy.on_root(root_logits[:, 0])
+
+        builder = TreeBuilder()
+        unit = torch.ones(batch, 1, device=device)
+        root_slot = torch.full((batch, 1), num_pending - 1, dtype=torch.long, device=device)
+        node_index = builder.add_level(tokens[:, -1:], -torch.ones_like(root_slot), ones, unit, unit, root_slot)
+        frontier_nodes = node_index[None, :].expand(batch, 1)  # (B, F) tree indices
+        frontier_slots = root_slot  # (B, F) drafter tail indices
+        frontier = Frontier(probs=unit, cum_probs=unit, valid=ones)
+        frontier_paths = no_path  # (B, F, level - 1)
+        frontier_logits = root_logits  # (B, F, V)
+        tail_parents, tail_valid = chain_parent, valid
+        k = min(strategy.max_children, frontier_logits.shape[-1])
+
+        level = 0
+        while True:
+            level += 1
+            probs = torch.softmax(frontier_logits, dim=-1)
+            top_probs, top_tokens = probs.topk(k, dim=-1)  # (B, F, K)
+            take, expand = strategy.select(level, frontier, top_probs)
+            take = take & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
+            expand = expand & take & (level < max_depth)[:, None, None]
+            child, child_valid, width = compact_true(take.flatten(1))
+            if width == 0:
+                break
+            parent_f = child // k  # (B, W) frontier position of each child's parent
+            child_tokens = top_tokens.flatten(1).gather(1, child)
+            child_probs = top_probs.flatten(1).gather(1, child)
+            child_cum = frontier.cum_probs.gather(1, parent_f) * child_probs
+            child_expand = expand.flatten(1).gather(1, child) & child_valid
+            grow, grow_valid, num_grow = compact_true(child_expand)  # (B, E) positions within the level
+            tail_length = tail_parents.shape[1]
+            slot = torch.full_like(child_tokens, -1)
+            slot.scatter_(1, grow, torch.where(grow_valid, tail_length + torch.arange(num_grow, device=device), -1))
+            slot = torch.where(child_expand, slot, -1)
+            node_index = builder.add_level(
+                child_tokens, frontier_nodes.gather(1, parent_f), child_valid, child_probs, child_cum, slot
+            )
+            if num_grow == 0:
+                break
+            # run the expanded children as one block under the tree mask
+            grow_parent_f = parent_f.gather(1, grow)
+            block_tokens = child_tokens.gather(1, grow)
+            block_parents = torch.where(grow_valid, frontier_slots.gather(1, grow_parent_f), -1)
+            tail_parents = torch.cat([tail_parents, block_parents], dim=1)
+            tail_valid = torch.cat([tail_valid, grow_valid], dim=1)
+            output = runner.forward(block_tokens, tail_parents, tail_valid)
+            block_paths = torch.cat(
+                [frontier_paths.gather(1, grow_parent_f[..., None].expand(-1, -1, level - 1)), block_tokens[..., None]],
+                dim=2,
+            )
+            depth = torch.full_like(block_tokens, level)
+            frontier_logits = process(output.logits.float(), block_paths, depth, grow_valid)
+            frontier_nodes = node_index[None, :].expand(batch, -1).gather(1, grow)
+            frontier_slots = tail_length + torch.arange(num_grow, device=device)[None, :].expand(batch, -1)
+            frontier = Frontier(probs=child_probs.gather(1, grow), cum_probs=child_cum.gather(1, grow), valid=grow_valid)
+            frontier_paths = block_paths
+        self._num_pending = num_pending
+        return builder.build()
+
+    def commit(self, tree: DraftTree, path_index: torch.Tensor, accept_length: torch.Tensor, bonus: torch.Tensor):
+        """Keep the pending tokens and the accepted nodes the drafter processed; queue the rest.
+
+        Args:
+            tree (`DraftTree`): this round's tree.
+            path_index (`torch.LongTensor` of shape `(B, D + 1)`): accepted nodes, root first.
+            accept_length (`torch.LongTensor` of shape `(B,)`): accepted draft tokens per row.
+            bonus (`torch.LongTensor` of shape `(B,)`): the target's next token per row.
+        """
+        num_pending = self._num_pending
+        accepted = path_index[:, 1:]  # (B, D)
+        on_path = torch.arange(accepted.shape[1], device=accepted.device)[None, :] < accept_length[:, None]
+        slots = tree.drafter_slot.gather(1, accepted)
+        processed = on_path & (slots >= 0)  # a prefix of the accepted path: only a final leaf is unprocessed
+        num_processed = processed.sum(-1)
+        keep_width = int(num_processed.max()) if processed.numel() else 0
+        batch = path_index.shape[0]
+        pending_slots = torch.arange(num_pending, device=accepted.device)[None, :].expand(batch, -1)
+        keep = torch.cat([pending_slots, torch.where(processed, slots, 0)[:, :keep_width]], dim=1)
+        keep_valid = torch.cat([self.pending_valid, processed[:, :keep_width]], dim=1)
+        self.runner.commit(keep, keep_valid)
+        # the accepted leaf (if the drafter never ran it) and the bonus token are pending next round
+        has_leaf = num_processed < accept_length
+        leaf = tree.tokens.gather(1, path_index.gather(1, accept_length[:, None])).squeeze(1)
+        if bool(has_leaf.any()):
+            self.pending = torch.stack([torch.where(has_leaf, leaf, bonus), bonus], dim=1)
+            self.pending_valid = torch.stack([has_leaf, torch.ones_like(has_leaf)], dim=1)
+        else:
+            self.pending = bonus[:, None]
+            self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)

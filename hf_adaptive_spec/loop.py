@@ -1,0 +1,293 @@
+"""The decoding loop: draft a tree -> verify it in ONE target forward -> accept -> compact -> stream -> repeat.
+
+It decides nothing itself: the strategy shapes the tree, the drafter builds
+it, `ops.greedy_accept` picks the path. It reuses everything `generate`
+prepared: the target's cache and prefill inputs, logits processors,
+stopping criteria and streamer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from . import ops
+from .compat import check_cache, check_model, check_pair
+from .drafters.independent import IndependentDrafter
+from .processors import SequenceBuffer, StopChecker, process_logits
+from .runner import ModelRunner
+from .strategies import get_strategy_class, resolve_config
+
+
+@dataclass
+class SpecStats:
+    """How speculation went in one `generate` call.
+
+    Fields:
+        strategy: the strategy name.
+        rounds: target verification forwards (draft -> verify rounds); the prefill is not a round.
+        new_tokens: tokens generated over all rows (the prefill's first token included).
+        row_rounds: rounds summed over the rows still generating in them.
+        drafted_tokens / accepted_tokens: draft nodes verified / draft tokens accepted, over all rows.
+        mean_accepted_length: tau = tokens produced by rounds / row_rounds (accepted drafts + bonus per round).
+        accepted_lengths: accepted draft tokens of each row-round, in order.
+        time_*: seconds spent in the prefill (target and drafter), drafting (drafter forwards), tree and mask
+            building, verification (target forwards), acceptance (processors, path choice, stopping) and KV
+            compaction. On a GPU these are host times between phases, without extra synchronisation.
+    """
+
+    strategy: str = ""
+    rounds: int = 0
+    new_tokens: int = 0
+    row_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_lengths: list = field(default_factory=list)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_tree: float = 0.0
+    time_verify: float = 0.0
+    time_accept: float = 0.0
+    time_compact: float = 0.0
+    time_total: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted_tokens + self.row_rounds) / self.row_rounds if self.row_rounds else 0.0
+
+    @property
+    def target_forwards(self) -> int:
+        return self.rounds + 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "accepted_lengths"}
+        out.update(mean_accepted_length=self.mean_accepted_length, target_forwards=self.target_forwards,
+                   acceptance_rate=self.acceptance_rate)
+        return out
+
+
+@dataclass
+class SpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus `spec_stats` (`SpecStats`)."""
+
+    spec_stats: SpecStats | None = None
+
+
+class _Clock:
+    def __init__(self):
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        return elapsed
+
+
+def _check_generation_config(generation_config, model_kwargs, streamer, batch_size):
+    if generation_config.do_sample:
+        raise ValueError("spec_strategy does not support do_sample=True yet; use greedy decoding.")
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError("spec_strategy does not support beam search (num_beams > 1).")
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError("spec_strategy does not support num_return_sequences > 1.")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError("spec_strategy does not support output_attentions / output_hidden_states.")
+    if generation_config.assistant_ensemble_weight is not None:
+        raise ValueError("spec_strategy does not support assistant_ensemble_weight.")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("spec_strategy needs input_ids (the drafter reads tokens), not inputs_embeds.")
+    if streamer is not None and batch_size > 1:
+        raise ValueError("spec_strategy streams one sequence; a streamer needs batch size 1.")
+
+
+@torch.no_grad()
+def speculative_decode(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    streamer=None,
+    assistant_model=None,
+    tokenizer=None,
+    assistant_tokenizer=None,
+    raw_inputs: dict | None = None,
+    synced_gpus: bool = False,
+    **model_kwargs,
+):
+    """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
+
+    Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
+    `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`).
+    """
+    start_time = time.perf_counter()
+    strategy_name = generation_config.spec_strategy
+    strategy_class = get_strategy_class(strategy_name)
+    config = resolve_config(strategy_name, getattr(generation_config, "spec_config", None), model.device)
+    batch_size = input_ids.shape[0]
+    device = input_ids.device
+
+    if assistant_model is None:
+        raise ValueError("spec_strategy needs a drafter: pass assistant_model=...")
+    if synced_gpus:
+        raise ValueError("spec_strategy does not support synced_gpus.")
+    _check_generation_config(generation_config, model_kwargs, streamer, batch_size)
+    check_model(model, "target")
+    check_model(assistant_model, "drafter")
+    check_pair(model, assistant_model, tokenizer, assistant_tokenizer)
+    if not model_kwargs.get("use_cache", True):
+        raise ValueError("spec_strategy needs use_cache=True.")
+    cache = model_kwargs.get("past_key_values")
+    check_cache(cache, "target")
+    if model_kwargs.get("position_ids") is None:
+        raise ValueError(f"{type(model).__name__} gets no position_ids from generate; spec_strategy needs them.")
+
+    stats = SpecStats(strategy=strategy_name)
+    return_dict = generation_config.return_dict_in_generate
+    want_scores = return_dict and generation_config.output_scores
+    want_logits = return_dict and generation_config.output_logits
+    row_scores = [[] for _ in range(batch_size)] if want_scores else None
+    row_logits = [[] for _ in range(batch_size)] if want_logits else None
+
+    pad = generation_config._pad_token_tensor
+    buffer = SequenceBuffer(input_ids, generation_config.max_length, int(pad) if pad is not None else 0)
+    stopper = StopChecker(stopping_criteria, generation_config._eos_token_tensor, generation_config.max_length)
+    attention_mask = model_kwargs.get("attention_mask")
+    position_ids = model_kwargs["position_ids"]
+
+    # 1. target prefill, exactly as plain generate runs it -> the first token
+    clock = _Clock()
+    outputs = model._prefill(input_ids, generation_config, model_kwargs)
+    if cache.get_seq_length() != input_ids.shape[1]:
+        raise ValueError(
+            f"{type(model).__name__} cached {cache.get_seq_length()} positions for a {input_ids.shape[1]}-token "
+            "prompt; spec_strategy needs one cache slot per input token."
+        )
+    first_raw = outputs.logits[:, -1, :].to(torch.float32)
+    first_scores = logits_processor(input_ids, first_raw) if len(logits_processor) else first_raw
+    first_token = first_scores.argmax(-1)
+    del outputs
+    slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    target = ModelRunner(model, cache, slot_valid, position_ids)
+
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    counts, done = stopper.cut(buffer, first_token[:, None], torch.ones_like(first_token))
+    _emit(buffer, streamer, first_token[:, None], counts, stats)
+    if want_scores or want_logits:
+        _record_scores(row_scores, row_logits, first_scores[:, None], first_raw[:, None], counts)
+    finished |= done
+    stats.time_prefill += clock.lap()
+
+    drafter = None
+    if not bool(finished.all()):
+        drafter = IndependentDrafter(assistant_model)
+        drafter.prefill(input_ids, attention_mask, raw_inputs or {})
+        drafter.set_pending(first_token[:, None], torch.ones(batch_size, 1, dtype=torch.bool, device=device))
+        stats.time_prefill += clock.lap()
+    strategy = strategy_class(config, batch_size, device)
+
+    def process_draft(logits, paths, depths, valid):
+        return process_logits(logits_processor, buffer, paths, depths, logits, valid)
+
+    # 2. rounds
+    while not bool(finished.all()):
+        active = ~finished
+        # deepest useful draft: the bonus token needs one slot of the remaining budget
+        max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
+        draft_model_time = drafter.runner.model_time
+        tree = drafter.draft(strategy, process_draft, max_depth)
+        elapsed = clock.lap()
+        stats.time_draft += drafter.runner.model_time - draft_model_time
+        stats.time_tree += elapsed - (drafter.runner.model_time - draft_model_time)
+
+        verify_model_time = target.model_time
+        outputs = target.forward(tree.tokens, tree.parents, tree.valid)  # (B, N, V) logits, ONE forward
+        elapsed = clock.lap()
+        stats.time_verify += target.model_time - verify_model_time
+        stats.time_tree += elapsed - (target.model_time - verify_model_time)
+
+        raw = outputs.logits.to(torch.float32)
+        del outputs
+        scores = process_logits(logits_processor, buffer, tree.path_tokens(), tree.depths, raw, tree.valid)
+        choice = scores.argmax(-1)  # (B, N) the target's greedy token after each node
+        path_index, accept_length, bonus = ops.greedy_accept(
+            tree.tokens, tree.parents, tree.valid, choice, tree.num_levels
+        )
+        path_tokens = tree.tokens.gather(1, path_index[:, 1:])  # (B, D)
+        new_tokens = torch.cat([path_tokens, bonus[:, None]], dim=1)
+        new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
+        counts, done = stopper.cut(buffer, new_tokens, torch.where(active, accept_length + 1, 0))
+        counts = torch.where(active, counts, 0)
+        if want_scores or want_logits:
+            _record_scores(row_scores, row_logits, scores.gather(1, _expand(path_index, scores)),
+                           raw.gather(1, _expand(path_index, raw)), counts)
+        _emit(buffer, streamer, new_tokens, counts, stats)
+        finished |= done & active
+        stats.rounds += 1
+        stats.row_rounds += int(active.sum())
+        stats.drafted_tokens += int((tree.num_drafted() * active).sum())
+        stats.accepted_tokens += int((accept_length * active).sum())
+        stats.accepted_lengths.extend(accept_length[active].tolist())
+        strategy.observe(accept_length, active)
+        stats.time_accept += clock.lap()
+
+        if bool(finished.all()):
+            break
+        keep = int(accept_length.max()) + 1
+        target.commit(path_index[:, :keep], torch.arange(keep, device=device)[None, :] <= accept_length[:, None])
+        drafter.commit(tree, path_index, accept_length, bonus)
+        stats.time_compact += clock.lap()
+
+    if streamer is not None:
+        streamer.end()
+    stats.time_total = time.perf_counter() - start_time
+    sequences = buffer.sequences()
+    if not return_dict:
+        return sequences
+    return SpecGenerateOutput(
+        sequences=sequences,
+        scores=_stack_steps(row_scores, buffer, sequences),
+        logits=_stack_steps(row_logits, buffer, sequences),
+        past_key_values=None,
+        spec_stats=stats,
+    )
+
+
+def _expand(path_index, values):
+    return path_index[..., None].expand(-1, -1, values.shape[-1])
+
+
+def _emit(buffer, streamer, tokens, counts, stats):
+    buffer.append(tokens, counts)
+    stats.new_tokens += int(counts.sum())
+    if streamer is not None and int(counts[0]) > 0:
+        streamer.put(tokens[:, : int(counts[0])].cpu())
+
+
+def _record_scores(row_scores, row_logits, scores, raw, counts):
+    for row, count in enumerate(counts.tolist()):
+        if row_scores is not None:
+            row_scores[row].extend(scores[row, :count])
+        if row_logits is not None:
+            row_logits[row].extend(raw[row, :count])
+
+
+def _stack_steps(per_row, buffer, sequences):
+    """Per-step `(B, V)` tensors like plain generate; rows that already ended get zeros."""
+    if per_row is None:
+        return None
+    steps = sequences.shape[1] - buffer.prompt_length
+    vocab = next(t for row in per_row for t in row).shape[-1]
+    out = []
+    for step in range(steps):
+        out.append(torch.stack([
+            row[step] if step < len(row) else torch.zeros(vocab, device=sequences.device) for row in per_row
+        ]))
+    return tuple(out)

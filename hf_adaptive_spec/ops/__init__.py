@@ -1,0 +1,93 @@
+"""Hot per-round tensor helpers, each with a torch reference and (where written) a Triton kernel.
+
+Dispatch: a Triton kernel runs when the inputs live on a CUDA device, triton
+imports, and a kernel exists for that op; everything else uses the torch
+reference in `reference.py`. `triton` is imported lazily, so a CPU-only
+install without triton imports and works. Tests force a backend with
+`use_backend("torch" | "triton")`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.util
+
+import torch
+
+from . import reference
+
+__all__ = [
+    "ancestor_matrix",
+    "tree_attention_mask",
+    "compact_kv_",
+    "sage_confidence",
+    "greedy_accept",
+    "quantize_int8",
+    "visual_scores",
+    "visual_vote",
+    "use_backend",
+    "triton_available",
+]
+
+_BACKEND = contextvars.ContextVar("hf_adaptive_spec_ops_backend", default="auto")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when the `triton` package can be imported (checked once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_module():
+    from . import triton_kernels  # imports triton
+
+    return triton_kernels
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force the ops backend inside a `with` block: "auto" (default), "torch" or "triton"."""
+    if name not in _BACKENDS:
+        raise ValueError(f"Unknown ops backend {name!r}; valid backends: {', '.join(_BACKENDS)}.")
+    token = _BACKEND.set(name)
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+def _kernel_for(op_name: str, tensor: torch.Tensor):
+    """The Triton kernel to run for `op_name` on `tensor`, or None for the torch reference."""
+    backend = _BACKEND.get()
+    if backend == "torch":
+        return None
+    if backend == "auto" and not (tensor.is_cuda and triton_available()):
+        return None
+    if not triton_available():
+        raise RuntimeError("The triton ops backend was forced but `triton` is not installed.")
+    return getattr(_triton_module(), op_name, None)
+
+
+def _dispatch(op_name: str):
+    reference_fn = getattr(reference, op_name)
+
+    @functools.wraps(reference_fn)
+    def dispatched(first, *args, **kwargs):
+        kernel = _kernel_for(op_name, first[0] if isinstance(first, (list, tuple)) else first)
+        return (kernel or reference_fn)(first, *args, **kwargs)
+
+    return dispatched
+
+
+ancestor_matrix = _dispatch("ancestor_matrix")
+tree_attention_mask = _dispatch("tree_attention_mask")
+compact_kv_ = _dispatch("compact_kv_")
+sage_confidence = _dispatch("sage_confidence")
+greedy_accept = _dispatch("greedy_accept")
+quantize_int8 = _dispatch("quantize_int8")
+visual_scores = _dispatch("visual_scores")
+visual_vote = _dispatch("visual_vote")

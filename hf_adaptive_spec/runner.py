@@ -1,0 +1,122 @@
+"""One model, its KV cache, and the bookkeeping to run tree blocks against that cache.
+
+The cache stays rectangular across the batch: each row keeps its own set of
+valid slots (`slot_valid`), so rows that accept different numbers of tokens
+leave masked holes instead of being shifted. Every forward gets an explicit
+4D additive mask and explicit position ids (mRoPE rows included), which is
+how a stock HF model verifies a whole tree in one pass.
+
+Cache layout during a round: `[committed slots (S) | uncommitted tail]`. The
+tail is a tree (see `DraftTree`'s layout rules) described by `parents`; a
+forward appends a block of new tail nodes, `commit` keeps a chosen subset of
+the tail (gathered into place) and drops the rest.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+from transformers import DynamicCache
+
+from . import ops
+
+
+class ModelRunner:
+    """Runs tree blocks of one model against its own `DynamicCache`.
+
+    Args:
+        model: the HF model.
+        cache (`DynamicCache`): its cache, already holding the prompt.
+        slot_valid (`torch.BoolTensor` of shape `(B, S)`): which cache slots are real tokens.
+        position_ids (`torch.LongTensor` of shape `(B, S)` or `(R, B, S)`): the positions the prompt used;
+            the last column fixes each row's rope offset per mRoPE row.
+    """
+
+    def __init__(self, model, cache: DynamicCache, slot_valid: torch.Tensor, position_ids: torch.Tensor):
+        self.model = model
+        self.cache = cache
+        self.slot_valid = slot_valid
+        self.next_position = slot_valid.sum(-1)  # (B,) text position of the next token
+        # offset of every position row from the text position, read off the last prompt column
+        last = position_ids[..., -1]  # (B,) or (R, B)
+        deltas = last - (self.next_position - 1)
+        self.rope_deltas = None if (deltas.dim() == 1 and not deltas.any()) else deltas
+        self.dtype = model.dtype
+        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.model_time = 0.0  # seconds inside the model's forward, for the time split
+
+    @property
+    def committed_length(self) -> int:
+        return self.slot_valid.shape[1]
+
+    def position_ids(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Position ids for tokens at text offsets `(B, M)` past the committed tokens: `(B, M)` or `(R, B, M)`."""
+        positions = self.next_position[:, None] + offsets
+        if self.rope_deltas is None:
+            return positions
+        if self.rope_deltas.dim() == 1:
+            return positions + self.rope_deltas[:, None]
+        return positions.unsqueeze(0) + self.rope_deltas.unsqueeze(-1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        parents: torch.Tensor,
+        valid: torch.Tensor,
+        logits_to_keep: int = 0,
+        **model_kwargs,
+    ):
+        """Run a block of new tail nodes in one forward.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(B, M)`): tokens of the new block.
+            parents (`torch.LongTensor` of shape `(B, T)`): parents over the whole tail (T >= M; the
+                block is its last M nodes, the first T - M are already in the cache).
+            valid (`torch.BoolTensor` of shape `(B, T)`): False for padding nodes.
+            logits_to_keep (`int`): keep logits of the last n block positions only (0 = all).
+
+        Returns:
+            The model output (`logits` of shape `(B, M or n, V)`).
+        """
+        num_new = input_ids.shape[1]
+        tail = parents.shape[1] - num_new
+        if self.cache.get_seq_length() != self.committed_length + tail:
+            raise RuntimeError(
+                f"cache holds {self.cache.get_seq_length()} slots, expected {self.committed_length} + {tail}"
+            )
+        mask, depths = ops.tree_attention_mask(parents, valid, self.slot_valid, self.dtype, num_query=num_new)
+        kwargs = dict(model_kwargs)
+        if self._accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        position_ids = self.position_ids(depths[:, tail:])
+        start = time.perf_counter()
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,  # (B, 1, M, S + T)
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            return_dict=True,
+            **kwargs,
+        )
+        self.model_time += time.perf_counter() - start
+        return output
+
+    def commit(self, keep_index: torch.Tensor, keep_valid: torch.Tensor) -> None:
+        """Keep tail slots `keep_index` `(B, K)` (in order) as committed; `keep_valid` `(B, K)` marks real ones."""
+        start = self.committed_length
+        layers = self.cache.layers
+        tensors = [layer.keys for layer in layers] + [layer.values for layer in layers]
+        compacted = ops.compact_kv_(tensors, keep_index, start)
+        for i, layer in enumerate(layers):
+            layer.keys, layer.values = compacted[i], compacted[len(layers) + i]
+        self.slot_valid = torch.cat([self.slot_valid, keep_valid], dim=1)
+        self.next_position = self.next_position + keep_valid.sum(-1)
+
+    def drop_tail(self) -> None:
+        """Forget every uncommitted slot."""
+        extra = self.cache.get_seq_length() - self.committed_length
+        if extra:
+            self.cache.crop(-extra)

@@ -1,0 +1,83 @@
+"""What a strategy decides: which drafter candidates enter the tree, and which of them grow further.
+
+The decoding loop asks the strategy level by level. At level l the frontier
+holds the nodes of depth l-1 the drafter has just processed; for each, the
+loop offers its top-K drafter candidates and the strategy answers with two
+`(B, F, K)` masks: `take` (the candidate becomes a node) and `expand` (the
+drafter also processes it, so it may get children at level l+1). Strategies
+hold only per-row planning state; they never touch a model or a cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class Frontier:
+    """Nodes of depth `level - 1` whose children are being chosen.
+
+    Fields (B = batch, F = frontier width):
+        probs: `(B, F)` each node's drafter probability given its parent (root: 1).
+        cum_probs: `(B, F)` product of probs along the path (root: 1).
+        valid: `(B, F)` False for padding.
+    """
+
+    probs: torch.Tensor
+    cum_probs: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass
+class StrategyConfig:
+    """Base class of strategy settings; `None` fields take a per-device default (see `resolve`)."""
+
+    def resolve(self, device: torch.device) -> "StrategyConfig":
+        """A copy with every `None` field replaced by this device type's default."""
+        defaults = self.device_defaults(device)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in values.items():
+            if value is None and name in defaults:
+                values[name] = defaults[name]
+        resolved = type(self)(**values)
+        resolved.validate()
+        return resolved
+
+    def device_defaults(self, device: torch.device) -> dict:
+        return {}
+
+    def validate(self) -> None:
+        pass
+
+
+class Strategy:
+    """Base class. Subclasses set `name` and `config_class` and implement `select`."""
+
+    name: str = ""
+    config_class: type = StrategyConfig
+
+    def __init__(self, config: StrategyConfig, batch_size: int, device: torch.device):
+        self.config = config
+        self.batch_size = batch_size
+        self.device = device
+
+    @property
+    def max_children(self) -> int:
+        """K: how many top candidates per frontier node the loop offers."""
+        raise NotImplementedError
+
+    def on_root(self, root_logits: torch.Tensor) -> None:
+        """Called once per round with the drafter's processed logits `(B, V)` at the root."""
+
+    def select(self, level: int, frontier: Frontier, candidate_probs: torch.Tensor):
+        """Return `(take, expand)`, both `(B, F, K)` bool, for candidates with probs `(B, F, K)`."""
+        raise NotImplementedError
+
+    def observe(self, accept_length: torch.Tensor, active: torch.Tensor) -> None:
+        """Called after verification with accepted draft tokens per row `(B,)` and active rows `(B,)`."""
+
+
+def on_gpu(device: torch.device) -> bool:
+    return torch.device(device).type != "cpu"

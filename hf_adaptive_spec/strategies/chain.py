@@ -1,0 +1,63 @@
+"""`chain`: a single linear draft whose length adapts to recent acceptance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Strategy, StrategyConfig, on_gpu
+
+
+@dataclass
+class ChainConfig(StrategyConfig):
+    """Settings of the `chain` strategy.
+
+    Args:
+        num_draft_tokens (`int`, *optional*): starting draft length (CPU 4, GPU 6).
+        min_draft_tokens (`int`, *optional*): lower bound of the adaptive length (default 1).
+        max_draft_tokens (`int`, *optional*): upper bound (CPU 8, GPU 16).
+        adaptive (`bool`, defaults to `True`): grow by 2 after a fully accepted draft, shrink by 1 otherwise
+            (per row), like stock assisted generation's "heuristic" schedule.
+    """
+
+    num_draft_tokens: int | None = None
+    min_draft_tokens: int | None = None
+    max_draft_tokens: int | None = None
+    adaptive: bool = True
+
+    def device_defaults(self, device):
+        gpu = on_gpu(device)
+        return {"num_draft_tokens": 6 if gpu else 4, "min_draft_tokens": 1, "max_draft_tokens": 16 if gpu else 8}
+
+    def validate(self):
+        if not 1 <= self.min_draft_tokens <= self.num_draft_tokens <= self.max_draft_tokens:
+            raise ValueError(
+                "ChainConfig needs 1 <= min_draft_tokens <= num_draft_tokens <= max_draft_tokens, got "
+                f"{self.min_draft_tokens}, {self.num_draft_tokens}, {self.max_draft_tokens}."
+            )
+
+
+class ChainStrategy(Strategy):
+    name = "chain"
+    config_class = ChainConfig
+
+    def __init__(self, config, batch_size, device):
+        super().__init__(config, batch_size, device)
+        self.length = torch.full((batch_size,), config.num_draft_tokens, dtype=torch.long, device=device)
+
+    @property
+    def max_children(self):
+        return 1
+
+    def select(self, level, frontier, candidate_probs):
+        take = (level <= self.length)[:, None, None].expand_as(candidate_probs)
+        expand = take & (level < self.length)[:, None, None]
+        return take, expand
+
+    def observe(self, accept_length, active):
+        if not self.config.adaptive:
+            return
+        grown = torch.where(accept_length >= self.length, self.length + 2, self.length - 1)
+        grown = grown.clamp(self.config.min_draft_tokens, self.config.max_draft_tokens)
+        self.length = torch.where(active, grown, self.length)

@@ -1,0 +1,149 @@
+"""`sage`: trees shaped per round by the drafter's entropy (SAGE, arXiv 2602.00523; PAPERS.md section 1).
+
+Confident drafter (alpha near 1): deep and narrow. Unsure (alpha near 0):
+shallow and wide. Every row of a batch has its own alpha, depth and history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from .base import Strategy, StrategyConfig, on_gpu
+
+ALPHA_SOURCES = ("previous_root", "current_root")
+
+
+@dataclass
+class SageConfig(StrategyConfig):
+    """Settings of the `sage` strategy. `None` fields take the device default (GPU values are the paper's).
+
+    Args:
+        d_min, d_max (`int`): depth range of Eq. 10 (GPU 3, 8; CPU 2, 6).
+        w_min, w_max (`float`): width range of Eq. 11 (GPU 2, 10; CPU 1, 3).
+        n_max (`int`): node budget per tree, root excluded (GPU 64; CPU 8).
+        top_k (`int`): k of the top-k entropy, Eq. 7-9 (10).
+        theta_scale (`float`): expansion threshold theta_l = theta_scale * l / D(alpha), compared with the
+            node's cumulative path probability (0.1).
+        alpha_init (`float`): alpha of the first round (0.5).
+        alpha_source (`str`): which drafter distribution sets alpha. "previous_root" (the paper's temporal
+            reading: the root distribution of the previous round plans this round) or "current_root" (this
+            round's root distribution, available before the tree is built at no extra cost).
+        history_window (`int`): acceptance lengths remembered per row (10).
+        history_low, history_high (`float`): mean accepted length below which D_max drops by one, above which it
+            rises by one (2, 3).
+        depth_cap (`int`): upper clamp of the adaptive D_max (default: d_max); the lower clamp is d_min + 1.
+        adaptive_history (`bool`): enable the D_max adaptation (True).
+    """
+
+    d_min: int | None = None
+    d_max: int | None = None
+    w_min: float | None = None
+    w_max: float | None = None
+    n_max: int | None = None
+    top_k: int = 10
+    theta_scale: float = 0.1
+    alpha_init: float = 0.5
+    alpha_source: str = "previous_root"
+    history_window: int = 10
+    history_low: float = 2.0
+    history_high: float = 3.0
+    depth_cap: int | None = None
+    adaptive_history: bool = True
+
+    def device_defaults(self, device):
+        if on_gpu(device):
+            defaults = {"d_min": 3, "d_max": 8, "w_min": 2.0, "w_max": 10.0, "n_max": 64}
+        else:
+            defaults = {"d_min": 2, "d_max": 6, "w_min": 1.0, "w_max": 3.0, "n_max": 8}
+        defaults["depth_cap"] = self.d_max if self.d_max is not None else defaults["d_max"]
+        return defaults
+
+    def validate(self):
+        if not 1 <= self.d_min <= self.d_max:
+            raise ValueError(f"SageConfig needs 1 <= d_min <= d_max, got {self.d_min}, {self.d_max}.")
+        if not 1 <= self.w_min <= self.w_max:
+            raise ValueError(f"SageConfig needs 1 <= w_min <= w_max, got {self.w_min}, {self.w_max}.")
+        if self.n_max < 1 or self.top_k < 2 or self.history_window < 1:
+            raise ValueError("SageConfig needs n_max >= 1, top_k >= 2 and history_window >= 1.")
+        if self.alpha_source not in ALPHA_SOURCES:
+            raise ValueError(f"SageConfig.alpha_source must be one of {ALPHA_SOURCES}, got {self.alpha_source!r}.")
+        if not 0.0 <= self.alpha_init <= 1.0:
+            raise ValueError("SageConfig.alpha_init must lie in [0, 1].")
+
+
+class SageStrategy(Strategy):
+    name = "sage"
+    config_class = SageConfig
+
+    def __init__(self, config, batch_size, device):
+        super().__init__(config, batch_size, device)
+        c = config
+        self.alpha = torch.full((batch_size,), c.alpha_init, dtype=torch.float32, device=device)
+        self.next_alpha = self.alpha.clone()
+        self.d_max = torch.full((batch_size,), float(c.d_max), device=device)
+        self.history = torch.zeros(batch_size, c.history_window, device=device)
+        self.history_count = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.nodes_used = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.alphas_seen: list[torch.Tensor] = []  # alpha used in each round, for analysis
+
+    @property
+    def max_children(self):
+        return int(round(self.config.w_max))
+
+    def depth(self) -> torch.Tensor:
+        """Eq. 10: D(alpha) = D_min + alpha (D_max - D_min), per row."""
+        return torch.round(self.config.d_min + self.alpha * (self.d_max - self.config.d_min))
+
+    def width(self) -> torch.Tensor:
+        """Eq. 11: W(alpha) = W_min + (1 - alpha) (W_max - W_min), per row."""
+        c = self.config
+        return c.w_min + (1.0 - self.alpha) * (c.w_max - c.w_min)
+
+    def on_root(self, root_logits):
+        confidence = ops.sage_confidence(root_logits, self.config.top_k)
+        if self.config.alpha_source == "current_root":
+            self.alpha = confidence
+        else:  # the previous round's root plans this round; this round's plans the next
+            self.alpha = self.next_alpha
+            self.next_alpha = confidence
+        self.alphas_seen.append(self.alpha)
+        self.nodes_used.zero_()
+
+    def select(self, level, frontier, candidate_probs):
+        c = self.config
+        batch, width, k = candidate_probs.shape
+        depth = self.depth()  # (B,)
+        if level == 1:
+            children = self.width()[:, None].expand(batch, width)
+        else:  # Eq. 12: W_l = W(alpha) (1/l) (0.5 + P_parent)
+            children = self.width()[:, None] * (1.0 / level) * (0.5 + frontier.probs)
+        children = torch.round(children).clamp(1, k)  # (B, F)
+        rank = torch.arange(k, device=candidate_probs.device)
+        take = (rank[None, None, :] < children[..., None]) & frontier.valid[..., None]
+        take &= (level <= depth)[:, None, None]
+        # node budget: keep the candidates with the highest cumulative probability
+        cum = frontier.cum_probs[..., None] * candidate_probs  # (B, F, K)
+        left = (c.n_max - self.nodes_used).clamp_min(0)
+        order = torch.where(take, cum, -1.0).flatten(1).argsort(dim=-1, descending=True, stable=True)
+        position = torch.empty_like(order)
+        position.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+        take &= (position < left[:, None]).view_as(take)
+        self.nodes_used += take.flatten(1).sum(-1)
+        theta = c.theta_scale * level / depth.clamp_min(1)  # (B,)
+        expand = take & (cum > theta[:, None, None]) & (level < depth)[:, None, None]
+        return take, expand
+
+    def observe(self, accept_length, active):
+        c = self.config
+        if not c.adaptive_history:
+            return
+        self.history = torch.where(active[:, None], torch.roll(self.history, 1, dims=1), self.history)
+        self.history[:, 0] = torch.where(active, accept_length.float(), self.history[:, 0])
+        self.history_count += active.long()
+        full = self.history_count >= c.history_window
+        mean = self.history.mean(-1)
+        step = torch.where(mean < c.history_low, -1.0, torch.where(mean > c.history_high, 1.0, 0.0))
+        self.d_max = torch.where(full & active, (self.d_max + step).clamp(c.d_min + 1, c.depth_cap), self.d_max)

@@ -1,0 +1,104 @@
+"""`static_tree`: one fixed tree shape for every round, given as a list of paths of candidate ranks.
+
+A path `(0, 1)` means: the drafter's top-1 candidate at the root, then that
+node's second-best candidate. The set must be prefix-closed, as in Medusa's
+and SpecInfer's static trees.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from .base import Strategy, StrategyConfig, on_gpu
+
+
+def default_tree_paths(num_nodes: int, max_depth: int, rank_acceptance=(0.7, 0.15, 0.06, 0.03)) -> list[tuple]:
+    """The `num_nodes` paths of highest prior acceptance, assuming rank r is accepted with `rank_acceptance[r]`.
+
+    A path's score is the product over its ranks; extending a path never raises its score, so the
+    result is prefix-closed. Ties go to shallower, then lexicographically smaller paths.
+    """
+    heap = [(-rank_acceptance[r], (r,)) for r in range(len(rank_acceptance))]
+    heapq.heapify(heap)
+    chosen = []
+    while heap and len(chosen) < num_nodes:
+        negative_score, path = heapq.heappop(heap)
+        chosen.append(path)
+        if len(path) < max_depth:
+            for r in range(len(rank_acceptance)):
+                heapq.heappush(heap, (negative_score * rank_acceptance[r], path + (r,)))
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+@dataclass
+class StaticTreeConfig(StrategyConfig):
+    """Settings of the `static_tree` strategy.
+
+    Args:
+        paths (list of tuples of `int`, *optional*): the tree as prefix-closed rank paths. Default: the
+            `default_tree_paths` of 6 nodes and depth 5 on a CPU, 24 nodes and depth 6 on a GPU.
+    """
+
+    paths: list | None = None
+
+    def device_defaults(self, device):
+        if on_gpu(device):
+            return {"paths": default_tree_paths(24, 6)}
+        return {"paths": default_tree_paths(6, 5)}
+
+    def validate(self):
+        paths = [tuple(int(r) for r in p) for p in self.paths]
+        if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
+            raise ValueError("StaticTreeConfig.paths must be non-empty tuples of non-negative ranks.")
+        present = set(paths)
+        if len(present) != len(paths):
+            raise ValueError("StaticTreeConfig.paths contains duplicates.")
+        for p in paths:
+            if len(p) > 1 and p[:-1] not in present:
+                raise ValueError(f"StaticTreeConfig.paths is not prefix-closed: {p} lacks its parent {p[:-1]}.")
+        self.paths = sorted(paths, key=lambda p: (len(p), p))
+
+
+class StaticTreeStrategy(Strategy):
+    name = "static_tree"
+    config_class = StaticTreeConfig
+
+    def __init__(self, config, batch_size, device):
+        super().__init__(config, batch_size, device)
+        paths = set(config.paths)
+        self._max_children = max(p[-1] for p in paths) + 1
+        depth = max(len(p) for p in paths)
+        # Walk the levels in the loop's own order: frontier order, then rank.
+        self.take, self.expand = [], []
+        frontier = [()]
+        for _ in range(depth):
+            take = torch.zeros(len(frontier), self._max_children, dtype=torch.bool)
+            expand = torch.zeros_like(take)
+            next_frontier = []
+            for f, parent in enumerate(frontier):
+                for r in range(self._max_children):
+                    child = parent + (r,)
+                    if child in paths:
+                        take[f, r] = True
+                        if any(len(p) > len(child) and p[: len(child)] == child for p in paths):
+                            expand[f, r] = True
+                            next_frontier.append(child)
+            self.take.append(take.to(device))
+            self.expand.append(expand.to(device))
+            frontier = next_frontier
+
+    @property
+    def max_children(self):
+        return self._max_children
+
+    def select(self, level, frontier, candidate_probs):
+        batch, width, _ = candidate_probs.shape
+        if level > len(self.take):
+            empty = torch.zeros_like(candidate_probs, dtype=torch.bool)
+            return empty, empty
+        take = self.take[level - 1][None, :width].expand(batch, -1, -1)
+        expand = self.expand[level - 1][None, :width].expand(batch, -1, -1)
+        return take, expand

@@ -1,0 +1,123 @@
+"""Draft trees: a batch of token trees padded to one node count, built level by level.
+
+Node 0 of every row is the root: the last committed token, which the target
+has not yet processed. Nodes are stored level by level (parents before
+children); each level is padded to the widest row, padding nodes have
+`valid = False` and parent -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees.
+
+    Fields (B = batch, N = nodes including the root, V = vocabulary):
+        tokens: `(B, N)` token of each node.
+        parents: `(B, N)` parent index, -1 for the root and padding nodes.
+        valid: `(B, N)` False for padding nodes.
+        probs: `(B, N)` drafter probability of the node given its parent (root: 1).
+        cum_probs: `(B, N)` product of `probs` along the path (root: 1).
+        depths: `(B, N)` depth, root 0.
+        drafter_slot: `(B, N)` index of the node in the drafter's uncommitted cache, -1 if the drafter
+            never processed it (leaves).
+        num_levels: depth of the deepest level present.
+        draft_logits: for sampling, `(B, N, V)` processed drafter logits at each processed node (the
+            distribution its children were drawn from), else None.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    valid: torch.Tensor
+    probs: torch.Tensor
+    cum_probs: torch.Tensor
+    depths: torch.Tensor
+    drafter_slot: torch.Tensor
+    num_levels: int
+    draft_logits: torch.Tensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def num_drafted(self) -> torch.Tensor:
+        """`(B,)` number of real draft nodes per row (root excluded)."""
+        return self.valid[:, 1:].sum(-1)
+
+    def path_tokens(self) -> torch.Tensor:
+        """`(B, N, num_levels)` tokens on the path root-exclusive to each node; column d-1 holds depth d."""
+        ancestors, depths = ops.ancestor_matrix(self.parents)
+        levels = torch.arange(1, self.num_levels + 1, device=self.tokens.device)
+        on_level = ancestors.unsqueeze(2) & (depths[:, None, None, :] == levels[None, None, :, None])  # (B,N,D,N)
+        index = on_level.to(torch.int8).argmax(-1)  # (B, N, D)
+        path = self.tokens.gather(1, index.flatten(1)).view_as(index)
+        return torch.where(on_level.any(-1), path, -1)
+
+
+@dataclass
+class TreeBuilder:
+    """Accumulates levels into a `DraftTree` (tensors are concatenated once at the end)."""
+
+    tokens: list = field(default_factory=list)
+    parents: list = field(default_factory=list)
+    valid: list = field(default_factory=list)
+    probs: list = field(default_factory=list)
+    cum_probs: list = field(default_factory=list)
+    drafter_slot: list = field(default_factory=list)
+    draft_logits: list = field(default_factory=list)
+    num_nodes: int = 0
+    num_levels: int = 0
+
+    def add_level(self, tokens, parents, valid, probs, cum_probs, drafter_slot) -> torch.Tensor:
+        """Append one level (all `(B, W)`); returns the node indices `(W,)` it received."""
+        width = tokens.shape[1]
+        index = torch.arange(self.num_nodes, self.num_nodes + width, device=tokens.device)
+        self.tokens.append(tokens)
+        self.parents.append(torch.where(valid, parents, -1))
+        self.valid.append(valid)
+        self.probs.append(probs)
+        self.cum_probs.append(cum_probs)
+        self.drafter_slot.append(torch.where(valid, drafter_slot, -1))
+        self.num_levels += self.num_nodes > 0
+        self.num_nodes += width
+        return index
+
+    def build(self) -> DraftTree:
+        tokens = torch.cat(self.tokens, dim=1)
+        parents = torch.cat(self.parents, dim=1)
+        _, depths = ops.ancestor_matrix(parents)
+        return DraftTree(
+            tokens=tokens,
+            parents=parents,
+            valid=torch.cat(self.valid, dim=1),
+            probs=torch.cat(self.probs, dim=1),
+            cum_probs=torch.cat(self.cum_probs, dim=1),
+            depths=depths,
+            drafter_slot=torch.cat(self.drafter_slot, dim=1),
+            num_levels=self.num_levels,
+            draft_logits=torch.cat(self.draft_logits, dim=1) if self.draft_logits else None,
+        )
+
+
+def compact_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per row, the positions of True entries moved to the front, in order.
+
+    Args:
+        mask (`torch.BoolTensor` of shape `(B, X)`).
+
+    Returns:
+        `(index, valid, width)`: `index` `(B, width)` positions into X, `valid`
+        `(B, width)` marks the real ones, `width` = the largest row count (a host sync).
+    """
+    counts = mask.sum(-1)
+    width = int(counts.max()) if mask.numel() else 0
+    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+    valid = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
+    return order, valid, width
