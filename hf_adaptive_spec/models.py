@@ -178,6 +178,7 @@ class ModelEntry:
     notes: str = ""
     tied_embeddings: bool = False
     chat: bool = True
+    #: ``(attribute, value)`` pairs set on the saved generation config (tuples become lists).
     generation_overrides: Tuple[Tuple[str, object], ...] = field(default_factory=tuple)
 
     @property
@@ -235,6 +236,11 @@ _register(ModelEntry(
     notes="Llama, 30 layers, 49,152-token vocab, tied embeddings. ChatML template.",
 ))
 
+# The GGUF metadata only names <|im_end|> as EOS; upstream Qwen2.5 stops on <|im_end|> and
+# <|endoftext|>. Upstream's sampling defaults (temperature 0.7, top_p 0.8, ...) are NOT copied:
+# generate() stays greedy unless asked otherwise.
+_QWEN_GENERATION = (("eos_token_id", (151645, 151643)),)
+
 _register(ModelEntry(
     name="qwen2.5-coder-0.5b-instruct",
     architecture="qwen2",
@@ -245,6 +251,7 @@ _register(ModelEntry(
     n_params=630_167_424,
     licence="upstream Apache-2.0; the PyPI packages state none (unknown publisher: data only, never import)",
     upstream="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+    generation_overrides=_QWEN_GENERATION,
     notes="Qwen2, 24 layers, 151,936-token vocab shared exactly with the 1.5B (drafter for it); "
           "untied lm_head in the GGUF.",
 ))
@@ -259,6 +266,7 @@ _register(ModelEntry(
     n_params=1_777_088_000,
     licence="upstream Apache-2.0; the PyPI packages state none (unknown publisher: data only, never import)",
     upstream="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+    generation_overrides=_QWEN_GENERATION,
     notes="Qwen2, 28 layers, 151,936-token vocab shared exactly with the 0.5B; untied lm_head in the GGUF.",
 ))
 
@@ -396,6 +404,37 @@ _NETWORK_PATTERNS = re.compile(
 )
 
 
+def _index_unreachable(pip_output: str, requirement: str, timeout: float = 10.0) -> bool:
+    """Tell "no network" from "no such package" when pip found no versions at all.
+
+    With retries off pip prints no connection error, only ``(from versions: none)``.
+    Then probe the http(s) indexes pip listed in ``Looking in indexes:``: True when
+    none of them answers at all (an HTTP error such as 404 means it is reachable).
+    """
+    if "from versions: none" not in pip_output:
+        return False
+    urls: List[str] = []
+    for line in pip_output.splitlines():
+        if line.startswith("Looking in indexes:"):
+            urls = [u.strip() for u in line.split(":", 1)[1].split(",")]
+    urls = [u for u in urls if u.startswith(("http://", "https://"))]
+    if not urls:
+        return False
+    import urllib.error
+    import urllib.request
+
+    project = re.sub(r"[-_.]+", "-", re.split(r"[=<>!~ ;\[]", requirement, 1)[0]).lower()
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/{project}/", timeout=timeout):
+                return False
+        except urllib.error.HTTPError:
+            return False  # the server answered
+        except Exception:
+            continue
+    return True
+
+
 def _pip_download_one(requirement: str, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -410,7 +449,7 @@ def _pip_download_one(requirement: str, dest: Path) -> Path:
     out = proc.stdout or ""
     if proc.returncode != 0:
         tail = "\n".join(out.strip().splitlines()[-6:])
-        if _NETWORK_PATTERNS.search(out):
+        if _NETWORK_PATTERNS.search(out) or _index_unreachable(out, requirement):
             raise RegistryUnreachableError(
                 f"cannot reach the package index to download {requirement} (no network?). "
                 f"pip said:\n{tail}", requirement, out)
@@ -576,9 +615,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32", progres
             if hasattr(model.config, "quantization_config"):
                 delattr(model.config, "quantization_config")
             if entry is not None:
-                model.config.name_or_path = entry.name
                 for key, value in entry.generation_overrides:
-                    setattr(model.generation_config, key, value)
+                    setattr(model.generation_config, key, list(value) if isinstance(value, tuple) else value)
             model.to(torch_dtype)
             model.save_pretrained(str(out_dir))
             tok.save_pretrained(str(out_dir))

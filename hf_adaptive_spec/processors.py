@@ -10,6 +10,7 @@ checked one by one, so speculation changes neither.
 from __future__ import annotations
 
 import torch
+from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 
@@ -45,8 +46,50 @@ class SequenceBuffer:
         return self.ids[:, : int(self.lengths.max())].clone()
 
 
+# Processors whose output for a row depends only on that row's input_ids and scores: their calls can pack
+# queries of any rows together. Everything else (per-row state such as repetition penalty's padding
+# lengths, prefix_allowed_tokens_fn's batch_id, classifier-free guidance) gets row-aligned calls.
+_ROW_FREE = tuple(
+    getattr(logits_process, name)
+    for name in (
+        "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "TopHLogitsWarper", "MinPLogitsWarper",
+        "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "NoRepeatNGramLogitsProcessor",
+        "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "SuppressTokensLogitsProcessor",
+        "SuppressTokensAtBeginLogitsProcessor", "NoBadWordsLogitsProcessor", "SequenceBiasLogitsProcessor",
+        "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor",
+        "LogitNormalization", "ExponentialDecayLengthPenalty", "RepetitionPenaltyLogitsProcessor",
+    )
+    if hasattr(logits_process, name)
+)
+
+
+def _row_free(processors) -> bool:
+    for processor in processors:
+        if not isinstance(processor, _ROW_FREE):
+            return False
+        if isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor):
+            return False
+    return True
+
+
+def _query_ids(buffer, paths, depths, rows, cols, total):
+    """`(G, total)` input_ids: each query's committed row followed by its path."""
+    ids = buffer.ids[rows].clone()  # (G, width)
+    if paths.shape[-1] > 0:
+        path = paths[rows, cols]  # (G, D)
+        offsets = torch.arange(path.shape[1], device=ids.device)
+        positions = buffer.lengths[rows, None] + offsets
+        inside = (offsets[None, :] < depths[rows, cols][:, None]) & (positions < ids.shape[1])
+        ids.scatter_(1, torch.where(inside, positions, 0), torch.where(inside, path, ids[:, :1].expand_as(path)))
+    return ids[:, :total]
+
+
 def process_logits(processors, buffer: SequenceBuffer, paths, depths, logits, valid):
     """Apply `processors` to every query's logits with its own prefix as `input_ids`.
+
+    Each call sees one input length, so length-dependent processors behave as in plain generate.
+    Processors with per-row state are called with batches aligned to the generate batch: position b
+    holds a query of row b (or a discarded filler).
 
     Args:
         processors (`LogitsProcessorList`): generate's prepared processors.
@@ -63,18 +106,26 @@ def process_logits(processors, buffer: SequenceBuffer, paths, depths, logits, va
         return logits
     out = logits.clone()
     totals = buffer.lengths[:, None] + depths  # (B, X) length of each query's input_ids
-    width = buffer.ids.shape[1]
-    # one processors call per distinct prefix length, so length-dependent processors see the right shape
+    row_free = _row_free(processors)
+    batch = logits.shape[0]
     for total in torch.unique(totals[valid]).tolist():
-        rows, cols = torch.nonzero(valid & (totals == total), as_tuple=True)
-        ids = buffer.ids[rows].clone()  # (G, width)
-        if paths.shape[-1] > 0:
-            path = paths[rows, cols]  # (G, D)
-            offsets = torch.arange(path.shape[1], device=ids.device)
-            positions = buffer.lengths[rows, None] + offsets
-            inside = (offsets[None, :] < depths[rows, cols][:, None]) & (positions < width)
-            ids.scatter_(1, torch.where(inside, positions, 0), torch.where(inside, path, ids[:, :1].expand_as(path)))
-        out[rows, cols] = processors(ids[:, :total], logits[rows, cols])
+        selected = valid & (totals == total)
+        if row_free:
+            rows, cols = torch.nonzero(selected, as_tuple=True)
+            ids = _query_ids(buffer, paths, depths, rows, cols, total)
+            out[rows, cols] = processors(ids, logits[rows, cols])
+            continue
+        rank = selected.cumsum(-1) - 1
+        filler_row, filler_col = (int(i) for i in torch.nonzero(selected)[0])
+        arange = torch.arange(batch, device=logits.device)
+        for call in range(int(selected.sum(-1).max())):
+            here = selected & (rank == call)  # (B, X): at most one query per row
+            has = here.any(-1)
+            cols = torch.where(has, here.to(torch.int8).argmax(-1), filler_col)
+            rows = torch.where(has, arange, filler_row)
+            ids = _query_ids(buffer, paths, depths, rows, cols, total)
+            result = processors(ids, logits[rows, cols])
+            out[arange[has], cols[has]] = result[has]
     return out
 
 

@@ -67,7 +67,7 @@ def tree_attention_mask(
 
     The key axis is `[committed cache slots (S) | tree nodes (N)]`. A node sees
     every valid committed slot and its own ancestors (itself included); a
-    padding node sees only itself, so no softmax row is empty.
+    padding node sees the slots and itself, so no softmax row is empty.
 
     Args:
         parents (`torch.LongTensor` of shape `(B, N)`): parent index per node, -1 for roots.
@@ -82,7 +82,7 @@ def tree_attention_mask(
     batch, num_nodes = parents.shape
     num_query = num_nodes if num_query is None else num_query
     ancestors, depths = ancestor_matrix(parents)
-    node_visible = ancestors & valid.unsqueeze(1)  # (B, N, N): keys must be real nodes
+    node_visible = ancestors & valid.unsqueeze(1) & valid.unsqueeze(2)  # (B, N, N): real nodes only
     node_visible |= torch.eye(num_nodes, dtype=torch.bool, device=parents.device)
     node_visible = node_visible[:, num_nodes - num_query :, :]  # (B, M, N)
     slot_visible = slot_valid.unsqueeze(1).expand(batch, num_query, -1)  # (B, M, S)

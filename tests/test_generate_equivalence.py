@@ -1,0 +1,257 @@
+"""Speculative greedy output == plain greedy `generate()` output, token for token.
+
+Drafters: a copy of the target (everything accepted), an adversarial one
+(nothing accepted) and an ordinary small one; text models and VLMs with
+images; batch 1 and batch 2 with different prompt lengths.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from hf_adaptive_spec import ChainConfig, SageConfig, StaticTreeConfig
+from tiny_models import ARCHS, TEXT_ARCHS, VLM_ARCHS, build_drafter, build_model, make_inputs
+
+STRATEGIES = ("chain", "static_tree", "sage")
+MAX_NEW = 20
+
+_MODELS = {}
+
+
+def _target(arch):
+    if arch not in _MODELS:
+        _MODELS[arch] = build_model(arch)
+    return _MODELS[arch]
+
+
+def _inverted_drafter(target):
+    """A copy whose logits are negated: its top candidates are the target's least likely tokens."""
+    drafter = copy.deepcopy(target)
+    head = drafter.get_output_embeddings()
+    head.weight.data.neg_()
+    return drafter
+
+
+def _plain(model, inputs, **kwargs):
+    return model.generate(**inputs, do_sample=False, max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW), **kwargs)
+
+
+def _spec(model, inputs, drafter, strategy, **kwargs):
+    return model.generate(
+        **inputs, do_sample=False, max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW), assistant_model=drafter,
+        spec_strategy=strategy, return_dict_in_generate=True, **kwargs,
+    )
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_small_drafter_matches_plain_greedy(arch, strategy, batch_size):
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=batch_size)
+    drafter = build_drafter(arch, target, "small")
+    expected = _plain(target, inputs)
+    out = _spec(target, inputs, drafter, strategy)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.rounds >= 1
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_5_vl", "llava_onevision"])
+def test_copy_drafter_accepts_everything(arch, strategy):
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    config = {
+        "chain": ChainConfig(num_draft_tokens=4, adaptive=False),
+        "static_tree": StaticTreeConfig(paths=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)]),
+        "sage": SageConfig(d_min=4, d_max=4, w_min=1, w_max=2, n_max=8, theta_scale=0.0, adaptive_history=False),
+    }[strategy]
+    drafter = build_drafter(arch, target, "copy")
+    expected = _plain(target, inputs, max_new_tokens=31)
+    out = _spec(target, inputs, drafter, strategy, spec_config=config, max_new_tokens=31)
+    assert torch.equal(out.sequences, expected)
+    stats = out.spec_stats
+    # depth 4 fully accepted each round: 1 + 6 rounds x 5 tokens = 31 new tokens per row
+    assert stats.accepted_tokens == 4 * stats.row_rounds
+    assert stats.mean_accepted_length == pytest.approx(5.0)
+    assert stats.rounds == 6
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_vl"])
+def test_inverted_drafter_accepts_nothing(arch, strategy):
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    expected = _plain(target, inputs)
+    out = _spec(target, inputs, _inverted_drafter(target), strategy)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.accepted_tokens == 0
+    assert out.spec_stats.mean_accepted_length == pytest.approx(1.0)
+    assert out.spec_stats.rounds == MAX_NEW - 1
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_text_only_drafter_for_a_vlm(arch):
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    expected = _plain(target, inputs)
+    out = _spec(target, inputs, build_drafter(arch, target, "text"), "sage")
+    assert torch.equal(out.sequences, expected)
+
+
+def test_vlm_drafter_sees_the_image():
+    """The copy drafter of a VLM only accepts everything if its prefill got the image too."""
+    arch = "qwen2_vl"
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=1)
+    config = ChainConfig(num_draft_tokens=4, adaptive=False)
+    out = _spec(target, inputs, build_drafter(arch, target, "copy"), "chain", spec_config=config)
+    assert out.spec_stats.acceptance_rate == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_eos_inside_an_accepted_path(strategy, batch_size):
+    arch = "llama"
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=batch_size)
+    free = _plain(target, inputs, max_new_tokens=24)
+    prompt_length = inputs["input_ids"].shape[1]
+    eos = int(free[0, prompt_length + 6])  # a token row 0 emits mid-way (with a copy drafter: mid-path)
+    expected = _plain(target, inputs, max_new_tokens=24, eos_token_id=eos)
+    out = _spec(target, inputs, build_drafter(arch, target, "copy"), strategy, max_new_tokens=24, eos_token_id=eos)
+    assert torch.equal(out.sequences, expected)
+    assert expected.shape[1] < free.shape[1] or batch_size > 1
+    row0 = out.sequences[0, prompt_length:].tolist()
+    assert row0.index(eos) == free[0, prompt_length:].tolist().index(eos)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_max_new_tokens_one(strategy):
+    target = _target("qwen2")
+    inputs = make_inputs("qwen2", batch_size=2)
+    expected = _plain(target, inputs, max_new_tokens=1)
+    out = _spec(target, inputs, build_drafter("qwen2", target, "small"), strategy, max_new_tokens=1)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.rounds == 0 and out.spec_stats.new_tokens == 2
+
+
+class _Recorder:
+    def __init__(self):
+        self.chunks, self.ended = [], 0
+
+    def put(self, value):
+        self.chunks.append(value.clone())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_streamer_gets_every_token_once(strategy):
+    arch = "qwen2_vl"
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=1)
+    plain_streamer, spec_streamer = _Recorder(), _Recorder()
+    expected = _plain(target, inputs, streamer=plain_streamer)
+    out = _spec(target, inputs, build_drafter(arch, target, "copy"), strategy, streamer=spec_streamer)
+    assert torch.equal(out.sequences, expected)
+    streamed = torch.cat([c.reshape(-1) for c in spec_streamer.chunks])
+    assert torch.equal(streamed, out.sequences[0])  # the prompt first, then each new token once
+    assert spec_streamer.ended == 1
+    assert any(c.numel() > 1 for c in spec_streamer.chunks[1:])  # several tokens per round
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_logits_processors_apply_per_node(strategy):
+    arch = "llama"
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    kwargs = dict(repetition_penalty=1.8, no_repeat_ngram_size=2, min_new_tokens=5, max_new_tokens=24)
+    expected = _plain(target, inputs, **kwargs)
+    plain_without = _plain(target, inputs, max_new_tokens=24)
+    assert not torch.equal(expected, plain_without)  # the processors matter here
+    out = _spec(target, inputs, build_drafter(arch, target, "copy"), strategy, **kwargs)
+    assert torch.equal(out.sequences, expected)
+
+
+class _StopAfterToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_custom_stopping_criteria_cut_exactly(strategy):
+    arch = "llama"
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=1)
+    free = _plain(target, inputs, max_new_tokens=24)
+    stop_token = int(free[0, inputs["input_ids"].shape[1] + 9])
+    criteria = StoppingCriteriaList([_StopAfterToken(stop_token)])
+    expected = _plain(target, inputs, max_new_tokens=24, stopping_criteria=criteria)
+    assert expected.shape[1] < free.shape[1]
+    out = _spec(target, inputs, build_drafter(arch, target, "copy"), strategy, max_new_tokens=24,
+                stopping_criteria=criteria)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_output_scores_and_logits_match_plain():
+    arch = "qwen2"
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=1)
+    kwargs = dict(output_scores=True, output_logits=True, return_dict_in_generate=True, repetition_penalty=1.3)
+    plain = _plain(target, inputs, **kwargs)
+    out = _spec(target, inputs, build_drafter(arch, target, "copy"), "sage",
+                output_scores=True, output_logits=True, repetition_penalty=1.3)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert len(out.scores) == len(plain.scores) == MAX_NEW
+    for mine, theirs in zip(out.scores + out.logits, plain.scores + plain.logits):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_spec_stats_fields():
+    target = _target("llama")
+    inputs = make_inputs("llama", batch_size=1)
+    out = _spec(target, inputs, build_drafter("llama", target, "small"), "sage")
+    stats = out.spec_stats
+    assert stats.new_tokens == MAX_NEW
+    assert stats.target_forwards == stats.rounds + 1
+    assert 1.0 <= stats.mean_accepted_length
+    assert stats.accepted_tokens <= stats.drafted_tokens
+    for name in ("time_draft", "time_tree", "time_verify", "time_accept", "time_compact"):
+        assert getattr(stats, name) > 0.0
+    assert set(stats.to_dict()) >= {"rounds", "new_tokens", "mean_accepted_length", "drafted_tokens",
+                                    "accepted_tokens", "time_draft", "time_verify"}
+
+
+@pytest.mark.parametrize("arch", TEXT_ARCHS)
+def test_eager_attention(arch):
+    target = build_model(arch, attn_implementation="eager")
+    inputs = make_inputs(arch, batch_size=2)
+    expected = _plain(target, inputs)
+    out = _spec(target, inputs, build_drafter(arch, target, "small"), "static_tree")
+    assert torch.equal(out.sequences, expected)
+
+
+def test_custom_logits_processor_sees_node_prefixes():
+    """A user processor is called with each node's own prefix, one length per call."""
+    seen_lengths = []
+
+    class Recorder:
+        def __call__(self, input_ids, scores):
+            seen_lengths.append(input_ids.shape[1])
+            return scores
+
+    target = _target("llama")
+    inputs = make_inputs("llama", batch_size=1)
+    expected = _plain(target, inputs)
+    out = _spec(target, inputs, build_drafter("llama", target, "copy"), "static_tree",
+                logits_processor=LogitsProcessorList([Recorder()]))
+    assert torch.equal(out.sequences, expected)
+    prompt_length = inputs["input_ids"].shape[1]
+    assert min(seen_lengths) == prompt_length and max(seen_lengths) > prompt_length + 1
