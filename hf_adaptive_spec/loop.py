@@ -15,6 +15,7 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import ops
+from .acceptance import sample_accept
 from .compat import check_cache, check_model, check_pair
 from .drafters.independent import IndependentDrafter
 from .processors import SequenceBuffer, StopChecker, process_logits
@@ -91,8 +92,6 @@ class _Clock:
 
 
 def _check_generation_config(generation_config, model_kwargs, streamer, batch_size):
-    if generation_config.do_sample:
-        raise ValueError("spec_strategy does not support do_sample=True yet; use greedy decoding.")
     if generation_config.num_beams not in (None, 1):
         raise ValueError("spec_strategy does not support beam search (num_beams > 1).")
     if generation_config.num_return_sequences not in (None, 1):
@@ -172,7 +171,11 @@ def speculative_decode(
         )
     first_raw = outputs.logits[:, -1, :].to(torch.float32)
     first_scores = logits_processor(input_ids, first_raw) if len(logits_processor) else first_raw
-    first_token = first_scores.argmax(-1)
+    do_sample = bool(generation_config.do_sample)
+    if do_sample:
+        first_token = torch.multinomial(torch.softmax(first_scores, dim=-1), 1).squeeze(1)
+    else:
+        first_token = first_scores.argmax(-1)
     del outputs
     slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     target = ModelRunner(model, cache, slot_valid, position_ids)
@@ -202,7 +205,7 @@ def speculative_decode(
         # deepest useful draft: the bonus token needs one slot of the remaining budget
         max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
         draft_model_time = drafter.runner.model_time
-        tree = drafter.draft(strategy, process_draft, max_depth)
+        tree = drafter.draft(strategy, process_draft, max_depth, sample=do_sample)
         elapsed = clock.lap()
         stats.time_draft += drafter.runner.model_time - draft_model_time
         stats.time_tree += elapsed - (drafter.runner.model_time - draft_model_time)
@@ -216,10 +219,13 @@ def speculative_decode(
         raw = outputs.logits.to(torch.float32)
         del outputs
         scores = process_logits(logits_processor, buffer, tree.path_tokens(), tree.depths, raw, tree.valid)
-        choice = scores.argmax(-1)  # (B, N) the target's greedy token after each node
-        path_index, accept_length, bonus = ops.greedy_accept(
-            tree.tokens, tree.parents, tree.valid, choice, tree.num_levels
-        )
+        if do_sample:
+            path_index, accept_length, bonus = sample_accept(tree, torch.softmax(scores, dim=-1))
+        else:
+            choice = scores.argmax(-1)  # (B, N) the target's greedy token after each node
+            path_index, accept_length, bonus = ops.greedy_accept(
+                tree.tokens, tree.parents, tree.valid, choice, tree.num_levels
+            )
         path_tokens = tree.tokens.gather(1, path_index[:, 1:])  # (B, D)
         new_tokens = torch.cat([path_tokens, bonus[:, None]], dim=1)
         new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])

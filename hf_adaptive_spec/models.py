@@ -449,6 +449,9 @@ def _pip_download_one(requirement: str, dest: Path) -> Path:
     out = proc.stdout or ""
     if proc.returncode != 0:
         tail = "\n".join(out.strip().splitlines()[-6:])
+        if "No module named pip" in out:
+            raise DownloadError(f"cannot download {requirement}: pip is not installed in {sys.executable} "
+                                f"(e.g. a uv venv); install it with 'python -m ensurepip'", requirement, out)
         if _NETWORK_PATTERNS.search(out) or _index_unreachable(out, requirement):
             raise RegistryUnreachableError(
                 f"cannot reach the package index to download {requirement} (no network?). "

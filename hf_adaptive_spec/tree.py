@@ -29,8 +29,8 @@ class DraftTree:
         drafter_slot: `(B, N)` index of the node in the drafter's uncommitted cache, -1 if the drafter
             never processed it (leaves).
         num_levels: depth of the deepest level present.
-        draft_logits: for sampling, `(B, N, V)` processed drafter logits at each processed node (the
-            distribution its children were drawn from), else None.
+        draft_probs: for sampling, `(B, N, V)` the drafter distribution (processors applied) each processed
+            node's children were drawn from (zeros for unprocessed nodes); None under greedy decoding.
     """
 
     tokens: torch.Tensor
@@ -41,7 +41,7 @@ class DraftTree:
     depths: torch.Tensor
     drafter_slot: torch.Tensor
     num_levels: int
-    draft_logits: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -71,7 +71,7 @@ class TreeBuilder:
     probs: list = field(default_factory=list)
     cum_probs: list = field(default_factory=list)
     drafter_slot: list = field(default_factory=list)
-    draft_logits: list = field(default_factory=list)
+    draft_probs: list = field(default_factory=list)  # (node_index (B, F), probs (B, F, V)) pairs
     num_nodes: int = 0
     num_levels: int = 0
 
@@ -102,8 +102,18 @@ class TreeBuilder:
             depths=depths,
             drafter_slot=torch.cat(self.drafter_slot, dim=1),
             num_levels=self.num_levels,
-            draft_logits=torch.cat(self.draft_logits, dim=1) if self.draft_logits else None,
+            draft_probs=self._scatter_draft_probs(tokens.shape) if self.draft_probs else None,
         )
+
+    def _scatter_draft_probs(self, shape) -> torch.Tensor:
+        batch, num_nodes = shape
+        vocab = self.draft_probs[0][1].shape[-1]
+        device = self.draft_probs[0][1].device
+        out = torch.zeros(batch, num_nodes + 1, vocab, device=device)  # last row: sink for padding
+        for node_index, probs in self.draft_probs:
+            node_index = torch.where(node_index < 0, num_nodes, node_index)
+            out.scatter_(1, node_index[..., None].expand(-1, -1, vocab), probs)
+        return out[:, :num_nodes]
 
 
 def compact_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -64,7 +64,7 @@ class IndependentDrafter:
         self.pending, self.pending_valid = tokens, valid
 
     @torch.no_grad()
-    def draft(self, strategy, process, max_depth: torch.Tensor) -> DraftTree:
+    def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None) -> DraftTree:
         """Build one round's tree.
 
         Args:
@@ -72,6 +72,9 @@ class IndependentDrafter:
             process (callable): `process(logits (B, X, V), paths (B, X, D), depths (B, X), valid (B, X))` applies
                 generate's logits processors with each node's own prefix.
             max_depth (`torch.LongTensor` of shape `(B,)`): deepest level each row may draft (its token budget).
+            sample (`bool`): draw each node's children without replacement from the processed drafter
+                distribution q (exponential race = Gumbel-top-k) and keep q in the tree; else take the top-k.
+            generator (`torch.Generator`, *optional*): randomness for sampling.
 
         Returns:
             `DraftTree` whose root (node 0) is the last pending token.
@@ -105,10 +108,17 @@ class IndependentDrafter:
         level = 0
         while True:
             level += 1
-            probs = torch.softmax(frontier_logits, dim=-1)
-            top_probs, top_tokens = probs.topk(k, dim=-1)  # (B, F, K)
+            probs = torch.softmax(frontier_logits, dim=-1)  # (B, F, V) q at the frontier
+            if sample:
+                builder.draft_probs.append((torch.where(frontier.valid, frontier_nodes, -1), probs))
+                # exponential race: the top-k of q / E, E ~ Exp(1), is a draw of k tokens without replacement
+                race = probs / torch.empty_like(probs).exponential_(generator=generator)
+                top_tokens = race.topk(k, dim=-1).indices
+                top_probs = probs.gather(-1, top_tokens)
+            else:
+                top_probs, top_tokens = probs.topk(k, dim=-1)  # (B, F, K)
             take, expand = strategy.select(level, frontier, top_probs)
-            take = take & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
+            take = take & (top_probs > 0) & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
             expand = expand & take & (level < max_depth)[:, None, None]
             child, child_valid, width = compact_true(take.flatten(1))
             if width == 0:

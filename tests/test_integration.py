@@ -1,0 +1,164 @@
+"""The generate() hook: stock behaviour without spec_strategy, install/uninstall, and clear refusals."""
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.utils import GenerationMixin
+
+import hf_adaptive_spec
+from hf_adaptive_spec import ChainConfig, SageConfig, StaticTreeConfig
+from hf_adaptive_spec.strategies import STRATEGIES, default_tree_paths
+from tiny_models import build_drafter, build_model, make_inputs
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = build_model("llama")
+    return target, build_drafter("llama", target, "small"), make_inputs("llama", batch_size=1)
+
+
+def test_without_spec_strategy_generate_is_stock(pair):
+    target, drafter, inputs = pair
+    hooked_plain = target.generate(**inputs, max_new_tokens=12, do_sample=False)
+    hooked_assisted = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+    hf_adaptive_spec.uninstall()
+    try:
+        assert not hf_adaptive_spec.is_installed()
+        assert not hasattr(GenerationConfig(), "spec_strategy")
+        stock_plain = target.generate(**inputs, max_new_tokens=12, do_sample=False)
+        stock_assisted = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+        with pytest.raises(ValueError, match="spec_strategy"):  # the kwarg is unknown to stock generate
+            target.generate(**inputs, max_new_tokens=4, assistant_model=drafter, spec_strategy="sage")
+    finally:
+        hf_adaptive_spec.install()
+    assert torch.equal(hooked_plain, stock_plain)
+    assert torch.equal(hooked_assisted, stock_assisted)
+
+
+def test_install_twice_is_harmless(pair):
+    target, drafter, inputs = pair
+    generate_before = GenerationMixin.generate
+    hf_adaptive_spec.install()
+    hf_adaptive_spec.install()
+    assert GenerationMixin.generate is generate_before
+    out = target.generate(**inputs, max_new_tokens=6, do_sample=False, assistant_model=drafter, spec_strategy="chain")
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 6
+
+
+def test_spec_strategy_in_a_generation_config(pair):
+    target, drafter, inputs = pair
+    expected = target.generate(**inputs, max_new_tokens=10, do_sample=False)
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, spec_strategy="static_tree",
+                              spec_config=StaticTreeConfig(paths=[(0,), (0, 0)]))
+    out = target.generate(**inputs, generation_config=config, assistant_model=drafter, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.strategy == "static_tree"
+    assert out.spec_stats.drafted_tokens <= 2 * out.spec_stats.rounds
+
+
+def test_spec_config_as_dict(pair):
+    target, drafter, inputs = pair
+    out = target.generate(**inputs, max_new_tokens=8, assistant_model=drafter, spec_strategy="sage",
+                          spec_config={"d_min": 1, "d_max": 2}, return_dict_in_generate=True)
+    assert max(out.spec_stats.accepted_lengths) <= 2
+
+
+def test_registry_lists_strategies():
+    assert set(STRATEGIES) >= {"chain", "static_tree", "sage"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(spec_strategy="nope"), "valid strategies: chain, sage, static_tree"),
+        (dict(spec_strategy="sage", num_beams=2), "beam search"),
+        (dict(spec_strategy="sage", num_return_sequences=2, do_sample=False), "num_return_sequences"),
+        (dict(spec_strategy="chain", spec_config=SageConfig()), "must be a ChainConfig"),
+        (dict(spec_strategy="chain", spec_config=ChainConfig(num_draft_tokens=0)), "ChainConfig needs"),
+        (dict(spec_strategy="static_tree", spec_config=StaticTreeConfig(paths=[(0, 1)])), "prefix-closed"),
+        (dict(spec_strategy="sage", spec_config=SageConfig(alpha_source="future")), "alpha_source"),
+        (dict(spec_strategy="sage", cache_implementation="static"), "Static cache|DynamicCache"),
+        (dict(spec_strategy="sage", output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+    ],
+)
+def test_bad_requests_are_refused(pair, kwargs, message):
+    target, drafter, inputs = pair
+    with pytest.raises(ValueError, match=message):
+        target.generate(**inputs, max_new_tokens=4, assistant_model=drafter, **kwargs)
+
+
+def test_missing_drafter_is_refused(pair):
+    target, _, inputs = pair
+    with pytest.raises(ValueError, match="needs a drafter"):
+        target.generate(**inputs, max_new_tokens=4, spec_strategy="sage")
+
+
+def test_flash_attention_is_refused(pair):
+    target, drafter, inputs = pair
+    text_config = target.config.get_text_config()
+    saved = text_config._attn_implementation
+    text_config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*sdpa"):
+            target.generate(**inputs, max_new_tokens=4, assistant_model=drafter, spec_strategy="sage")
+    finally:
+        text_config._attn_implementation = saved
+
+
+def test_vocabulary_mismatch_is_refused(pair):
+    target, _, inputs = pair
+    config = LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    other = LlamaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="vocabulary|tokenizer"):
+        target.generate(**inputs, max_new_tokens=4, assistant_model=other, spec_strategy="sage")
+
+
+def test_sliding_window_model_is_refused(pair):
+    _, _, inputs = pair
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    qwen_config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                              sliding_window=4, max_window_layers=0)
+    target = Qwen2ForCausalLM(qwen_config).eval()
+    drafter = LlamaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="sliding"):
+        target.generate(**inputs, max_new_tokens=4, assistant_model=drafter, spec_strategy="sage")
+
+
+def test_recurrent_model_is_refused(pair):
+    _, _, inputs = pair
+    from transformers import MambaConfig, MambaForCausalLM
+
+    target = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=16, num_hidden_layers=1)).eval()
+    drafter = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=16, num_hidden_layers=1)).eval()
+    with pytest.raises(ValueError, match="stateful|recurrent"):
+        target.generate(input_ids=inputs["input_ids"], max_new_tokens=4, assistant_model=drafter,
+                        spec_strategy="sage")
+
+
+def test_streamer_with_batch_is_refused():
+    target = build_model("llama")
+    inputs = make_inputs("llama", batch_size=2)
+
+    class Streamer:
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(**inputs, max_new_tokens=4, assistant_model=build_drafter("llama", target, "small"),
+                        spec_strategy="chain", streamer=Streamer())
+
+
+def test_default_static_tree_is_prefix_closed():
+    for size, depth in [(6, 5), (24, 6)]:
+        paths = default_tree_paths(size, depth)
+        assert len(paths) == size and max(len(p) for p in paths) <= depth
+        assert all(p[:-1] in set(paths) for p in paths if len(p) > 1)
+        assert paths[0] == (0,)
