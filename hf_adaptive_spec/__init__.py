@@ -6,6 +6,7 @@
 Without `spec_strategy`, `generate` is stock transformers.
 """
 
+from .drafters.quantize import quantize_drafter
 from .integration import install, is_installed, uninstall
 from .loop import SpecGenerateOutput, SpecStats
 from .strategies import (
@@ -32,6 +33,7 @@ __all__ = [
     "Strategy",
     "StrategyConfig",
     "install",
+    "quantize_drafter",
     "is_installed",
     "register_strategy",
     "uninstall",

@@ -86,13 +86,13 @@ def check_pair(target, drafter, tokenizer=None, assistant_tokenizer=None) -> Non
             f"The drafter's vocabulary ({drafter_vocab} tokens) does not match the target's ({target_vocab}); "
             "spec_strategy needs a drafter that shares the target's tokenizer."
         )
-    target_head, drafter_head = target.get_output_embeddings(), drafter.get_output_embeddings()
-    if target_head is not None and drafter_head is not None:
-        if target_head.weight.shape[0] != drafter_head.weight.shape[0]:
-            raise ValueError(
-                f"The drafter's LM head has {drafter_head.weight.shape[0]} outputs, the target's "
-                f"{target_head.weight.shape[0]}; spec_strategy needs identical vocabularies."
-            )
+    target_outputs = getattr(target.get_output_embeddings(), "out_features", None)
+    drafter_outputs = getattr(drafter.get_output_embeddings(), "out_features", None)
+    if target_outputs is not None and drafter_outputs is not None and target_outputs != drafter_outputs:
+        raise ValueError(
+            f"The drafter's LM head has {drafter_outputs} outputs, the target's {target_outputs}; "
+            "spec_strategy needs identical vocabularies."
+        )
     if assistant_tokenizer is not None:
         if tokenizer is None or tokenizer.get_vocab() != assistant_tokenizer.get_vocab():
             raise ValueError(

@@ -35,6 +35,8 @@ class SpecStats:
         drafted_tokens / accepted_tokens: draft nodes verified / draft tokens accepted, over all rows.
         mean_accepted_length: tau = tokens produced by rounds / row_rounds (accepted drafts + bonus per round).
         accepted_lengths: accepted draft tokens of each row-round, in order.
+        sage_alphas: for `sage`, the confidence alpha that shaped each row-round's tree (aligned with
+            `accepted_lengths`); empty for other strategies.
         time_*: seconds spent in the prefill (target and drafter), drafting (drafter forwards), tree and mask
             building, verification (target forwards), acceptance (processors, path choice, stopping) and KV
             compaction. On a GPU these are host times between phases, without extra synchronisation.
@@ -47,6 +49,7 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accepted_lengths: list = field(default_factory=list)
+    sage_alphas: list = field(default_factory=list)
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_tree: float = 0.0
@@ -68,7 +71,7 @@ class SpecStats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "accepted_lengths"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("accepted_lengths", "sage_alphas")}
         out.update(mean_accepted_length=self.mean_accepted_length, target_forwards=self.target_forwards,
                    acceptance_rate=self.acceptance_rate)
         return out
@@ -241,6 +244,9 @@ def speculative_decode(
         stats.drafted_tokens += int((tree.num_drafted() * active).sum())
         stats.accepted_tokens += int((accept_length * active).sum())
         stats.accepted_lengths.extend(accept_length[active].tolist())
+        confidence = strategy.round_confidence()
+        if confidence is not None:
+            stats.sage_alphas.extend(confidence[active].tolist())
         strategy.observe(accept_length, active)
         stats.time_accept += clock.lap()
 

@@ -75,6 +75,10 @@ class Strategy:
         """Return `(take, expand)`, both `(B, F, K)` bool, for candidates with probs `(B, F, K)`."""
         raise NotImplementedError
 
+    def round_confidence(self) -> torch.Tensor | None:
+        """`(B,)` the confidence that shaped this round's trees, if the strategy has one (for stats)."""
+        return None
+
     def observe(self, accept_length: torch.Tensor, active: torch.Tensor) -> None:
         """Called after verification with accepted draft tokens per row `(B,)` and active rows `(B,)`."""
 

@@ -87,7 +87,6 @@ class SageStrategy(Strategy):
         self.history = torch.zeros(batch_size, c.history_window, device=device)
         self.history_count = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.nodes_used = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.alphas_seen: list[torch.Tensor] = []  # alpha used in each round, for analysis
 
     @property
     def max_children(self):
@@ -109,8 +108,10 @@ class SageStrategy(Strategy):
         else:  # the previous round's root plans this round; this round's plans the next
             self.alpha = self.next_alpha
             self.next_alpha = confidence
-        self.alphas_seen.append(self.alpha)
         self.nodes_used.zero_()
+
+    def round_confidence(self):
+        return self.alpha
 
     def select(self, level, frontier, candidate_probs):
         c = self.config
