@@ -221,7 +221,9 @@ def speculative_decode(
 
         raw = outputs.logits.to(torch.float32)
         del outputs
-        scores = process_logits(logits_processor, buffer, tree.path_tokens(), tree.depths, raw, tree.valid)
+        scores = raw
+        if len(logits_processor):
+            scores = process_logits(logits_processor, buffer, tree.path_tokens(), tree.depths, raw, tree.valid)
         if do_sample:
             path_index, accept_length, bonus = sample_accept(tree, torch.softmax(scores, dim=-1))
         else:

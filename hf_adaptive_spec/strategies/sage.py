@@ -128,10 +128,11 @@ class SageStrategy(Strategy):
         # node budget: keep the candidates with the highest cumulative probability
         cum = frontier.cum_probs[..., None] * candidate_probs  # (B, F, K)
         left = (c.n_max - self.nodes_used).clamp_min(0)
-        order = torch.where(take, cum, -1.0).flatten(1).argsort(dim=-1, descending=True, stable=True)
-        position = torch.empty_like(order)
-        position.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-        take &= (position < left[:, None]).view_as(take)
+        if bool((take.flatten(1).sum(-1) > left).any()):
+            order = torch.where(take, cum, -1.0).flatten(1).argsort(dim=-1, descending=True, stable=True)
+            position = torch.empty_like(order)
+            position.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+            take &= (position < left[:, None]).view_as(take)
         self.nodes_used += take.flatten(1).sum(-1)
         theta = c.theta_scale * level / depth.clamp_min(1)  # (B,)
         expand = take & (cum > theta[:, None, None]) & (level < depth)[:, None, None]
