@@ -36,5 +36,6 @@ def quantize_drafter(model: torch.nn.Module) -> torch.nn.Module:
         raise RuntimeError("This torch build has no torch.ao.quantization.quantize_dynamic; keep the fp32 drafter.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)  # "quantized tensor creation functions are deprecated"
         quantized = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=False)
     return quantized.eval()
