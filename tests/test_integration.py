@@ -162,3 +162,14 @@ def test_default_static_tree_is_prefix_closed():
         assert len(paths) == size and max(len(p) for p in paths) <= depth
         assert all(p[:-1] in set(paths) for p in paths if len(p) > 1)
         assert paths[0] == (0,)
+
+
+def test_quantized_drafter_keeps_output_exact(pair):
+    target, drafter, inputs = pair
+    original = {k: v.clone() for k, v in drafter.state_dict().items()}
+    quantized = hf_adaptive_spec.quantize_drafter(drafter)
+    assert all(torch.equal(original[k], v) for k, v in drafter.state_dict().items())  # the input is untouched
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=quantized,
+                          spec_strategy="sage")
+    assert torch.equal(out, expected)
