@@ -6,9 +6,19 @@
 Without `spec_strategy`, `generate` is stock transformers.
 """
 
+from .drafters.laspec import (
+    LaSpecDrafterConfig,
+    LaSpecDrafterModel,
+    LaSpecDrafterOutput,
+    accept_probs_from,
+    acceptance_aware_loss,
+    acceptance_weights,
+    register_auto_classes,
+)
 from .drafters.quantize import quantize_drafter
 from .integration import install, is_installed, uninstall
 from .loop import SpecGenerateOutput, SpecStats
+from .vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .strategies import (
     STRATEGIES,
     ChainConfig,
@@ -22,8 +32,19 @@ from .strategies import (
 __version__ = "0.1.0"
 
 install()
+register_auto_classes()  # AutoConfig / AutoModel load "laspec_drafter" folders
 
 __all__ = [
+    "LaSpecDrafterConfig",
+    "LaSpecDrafterModel",
+    "LaSpecDrafterOutput",
+    "QueryCapture",
+    "VisualKeyStore",
+    "accept_probs_from",
+    "acceptance_aware_loss",
+    "acceptance_weights",
+    "register_auto_classes",
+    "select_visual_tokens",
     "STRATEGIES",
     "ChainConfig",
     "SageConfig",

@@ -502,3 +502,16 @@ def test_real_smollm2_fetch_load_generate(tmp_path_factory):
     text = tok.decode(new, skip_special_tokens=True)
     assert len(new) >= 1 and text.strip(), f"empty generation: {tok.decode(new)!r}"
     assert "Paris" in text  # greedy answer of this checkpoint
+
+    # the real checkpoint, decoded speculatively with a genuinely different (int8) drafter, equals plain greedy
+    import hf_adaptive_spec
+
+    drafter = hf_adaptive_spec.quantize_drafter(model)
+    msgs = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    plain = model.generate(**enc, max_new_tokens=32, do_sample=False)
+    for strategy in ("chain", "sage"):
+        spec = model.generate(**enc, max_new_tokens=32, do_sample=False, assistant_model=drafter,
+                              spec_strategy=strategy, return_dict_in_generate=True)
+        assert torch.equal(spec.sequences, plain), strategy
+        assert spec.spec_stats.mean_accepted_length > 1.5  # a quantized self-drafter agrees most of the time

@@ -1,0 +1,668 @@
+"""Uni-LaSpec block-parallel drafter (PAPERS.md section 2).
+
+One forward proposes a whole block of `block_size` tokens. The query block is
+`[last accepted token, MASK, ..., MASK]` at text positions `p, p+1, ...`; the
+keys/values are the block itself plus the target's hidden states at the
+accepted positions before `p` (a few target layers, low/mid/high, fused by a
+linear layer + RMSNorm). Output position k is the distribution of the token
+at position `p + k + 1`, so one pass gives `block_size` next-token
+distributions.
+
+Design choices:
+
+* MASK: a learned embedding (`mask_embedding`, in the drafter's hidden
+  space) when `config.mask_token_id is None` (default); otherwise the
+  target's embedding of `mask_token_id` (DFlash-style, no extra parameter).
+  Either way, only column 0 of `input_ids` is read: every later block
+  position is a MASK, whatever id the caller put there.
+* Block attention: causal within the block, full over the (valid) context.
+  A block position never sees later positions, so the prediction at depth k
+  does not depend on how long the block is: the load-adaptive loop can run
+  a shorter block (a truncated "dynamic head") and get exactly the same
+  first predictions, and training with any block size matches inference.
+  Bidirectional MASK-to-MASK attention would add nothing the context does
+  not already give (every MASK carries the same embedding).
+* Context visibility: a context slot is visible to the block iff its
+  `context_mask` is True and its position is strictly before the block's
+  first position. A training batch may therefore share one full-sequence
+  context between rows with different block anchors.
+* Vision: after each layer's self-attention, a gated cross-attention to the
+  selected visual tokens, `h <- h + tanh(g) * CrossAttn(RMSNorm(h), V_sel)`,
+  with one scalar gate `g` per layer initialised to 0: an untrained gate
+  leaves the drafter's output bit-for-bit unchanged.
+* Embedding and LM head: the TARGET's own frozen modules, attached with
+  `attach_target` as plain references (never registered as sub-modules), so
+  `save_pretrained` does not store them and `from_pretrained` does not
+  expect them. Gradients flow through them to the drafter, never into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.utils import ModelOutput
+
+__all__ = [
+    "LaSpecDrafterConfig",
+    "LaSpecDrafterModel",
+    "LaSpecDrafterOutput",
+    "register_auto_classes",
+    "default_target_layer_ids",
+    "gather_target_hidden",
+    "make_block_inputs",
+    "acceptance_weights",
+    "acceptance_aware_loss",
+    "accept_probs_from",
+]
+
+
+# --------------------------------------------------------------------------- config
+
+
+@strict
+class LaSpecDrafterConfig(PreTrainedConfig):
+    r"""Configuration of a [`LaSpecDrafterModel`].
+
+    Args:
+        hidden_size (`int`, defaults to 256): width of the drafter's residual stream.
+        num_hidden_layers (`int`, defaults to 1): drafter transformer layers (1-2).
+        num_attention_heads (`int`, defaults to 4): query heads.
+        num_key_value_heads (`int`, *optional*): key/value heads (GQA); defaults to `num_attention_heads`.
+        head_dim (`int`, *optional*): defaults to `hidden_size // num_attention_heads`.
+        intermediate_size (`int`, defaults to 688): SwiGLU MLP width.
+        rms_norm_eps (`float`, defaults to 1e-6).
+        vocab_size (`int`, defaults to 32000): the TARGET's vocabulary size (its LM head's output size).
+        target_hidden_size (`int`, *optional*): the target's text hidden size (its embedding width);
+            defaults to `hidden_size`. When it differs from `hidden_size`, linear projections map the
+            target's embeddings in and the drafter's states out to the target's LM head.
+        target_layer_ids (`list[int]`, *optional*): target decoder-layer indices whose outputs are fused
+            (output of layer `l` is `hidden_states[l + 1]` of a forward with `output_hidden_states=True`).
+            Defaults to `[0]`; use [`default_target_layer_ids`] (low/mid/high) or
+            [`LaSpecDrafterConfig.for_target`].
+        block_size (`int`, defaults to 4): tokens drafted per forward (B).
+        mask_token_id (`int`, *optional*): if set, MASK positions use the target's embedding of this id;
+            if `None` (default) a learned mask embedding is used.
+        num_visual_tokens (`int`, defaults to 8): visual tokens the drafter attends to (M).
+        vision_hidden_size (`int`, *optional*): width of the visual embeddings fed to the cross-attention;
+            defaults to `target_hidden_size`.
+        rope_theta (`float`, defaults to 10000.0): base of the drafter's plain 1D RoPE.
+        max_position_embeddings (`int`, defaults to 4096): informational (RoPE is computed on the fly).
+        target_model_name (`str`, *optional*): the target this drafter was trained for (model card).
+        initializer_range (`float`, defaults to 0.02).
+
+    Examples:
+        >>> config = LaSpecDrafterConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        ...                              vocab_size=128, target_layer_ids=[0, 1])
+        >>> config.block_size
+        4
+    """
+
+    model_type = "laspec_drafter"
+
+    hidden_size: int = 256
+    num_hidden_layers: int = 1
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 688
+    rms_norm_eps: float = 1e-6
+    vocab_size: int = 32000
+    target_hidden_size: int | None = None
+    target_layer_ids: list[int] | None = None
+    block_size: int = 4
+    mask_token_id: int | None = None
+    num_visual_tokens: int = 8
+    vision_hidden_size: int | None = None
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    target_model_name: str | None = None
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.vision_hidden_size is None:
+            self.vision_hidden_size = self.target_hidden_size
+        if self.target_layer_ids is None:
+            self.target_layer_ids = [0]
+        self.target_layer_ids = [int(layer) for layer in self.target_layer_ids]
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of the `@strict` validation: shapes that the drafter cannot build."""
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE.")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer.")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id ({self.mask_token_id}) must lie in [0, vocab_size={self.vocab_size}).")
+
+    @classmethod
+    def for_target(cls, target, **overrides) -> LaSpecDrafterConfig:
+        """A config sized for `target` (a model or its config): its vocabulary, text width, head layout,
+        RoPE base and low/mid/high layers. Keyword arguments override any field.
+
+        Examples:
+            >>> config = LaSpecDrafterConfig.for_target(target_model, num_hidden_layers=2)  # doctest: +SKIP
+        """
+        config = getattr(target, "config", target)
+        text = config.get_text_config()
+        rope = getattr(text, "rope_parameters", None) or {}
+        rope_theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+        num_heads = text.num_attention_heads
+        fields = dict(
+            hidden_size=text.hidden_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            intermediate_size=text.intermediate_size,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            vocab_size=text.vocab_size,
+            target_hidden_size=text.hidden_size,
+            target_layer_ids=default_target_layer_ids(text.num_hidden_layers),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            target_model_name=getattr(config, "name_or_path", None) or None,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def default_target_layer_ids(num_layers: int) -> list[int]:
+    """Low / mid / high target layers to fuse (EAGLE-3's choice `[2, n // 2, n - 3]`, clamped, deduplicated)."""
+    picks = (2, num_layers // 2, num_layers - 3)
+    return sorted({min(max(layer, 0), num_layers - 1) for layer in picks})
+
+
+def gather_target_hidden(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate the outputs of the chosen target layers.
+
+    Args:
+        hidden_states (tuple of `torch.Tensor` of shape `(B, S, H)`): `outputs.hidden_states` of a target
+            forward with `output_hidden_states=True` (entry 0 = embeddings, entry l + 1 = layer l).
+        layer_ids (`list[int]`): target decoder-layer indices (`config.target_layer_ids`).
+
+    Returns:
+        `torch.Tensor` of shape `(B, S, len(layer_ids) * H)`.
+    """
+    return torch.cat([hidden_states[layer + 1] for layer in layer_ids], dim=-1)
+
+
+def make_block_inputs(
+    last_token: torch.Tensor, last_position: torch.Tensor, block_size: int, mask_token_id: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block `[last accepted token, MASK, ...]` and its positions.
+
+    Args:
+        last_token (`torch.LongTensor` of shape `(B,)`): the last accepted (or bonus) token per row.
+        last_position (`torch.LongTensor` of shape `(B,)`): its text position.
+        block_size (`int`): block length.
+        mask_token_id (`int`, *optional*): id written in the MASK columns (0 if None; never read).
+
+    Returns:
+        `(input_ids, position_ids)`, both `(B, block_size)`.
+    """
+    offsets = torch.arange(block_size, device=last_token.device)
+    input_ids = torch.full((last_token.shape[0], block_size), mask_token_id or 0, dtype=torch.long,
+                           device=last_token.device)
+    input_ids[:, 0] = last_token
+    position_ids = last_position[:, None] + offsets  # (B, block)
+    return input_ids, position_ids
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class LaSpecRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hidden.to(dtype)
+
+
+def _rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape (B, 1, L, head_dim) for plain 1D RoPE (computed on the fly, no buffer)."""
+    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)  # (D/2,)
+    freqs = position_ids.float()[..., None] * inv_freq  # (B, L, D/2)
+    angles = torch.cat([freqs, freqs], dim=-1)  # (B, L, D)
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, L, D) rotated by its positions: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class LaSpecSelfAttention(nn.Module):
+    """Block queries over keys/values `[fused context ; block]`; k/v projections shared by both."""
+
+    def __init__(self, config: LaSpecDrafterConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, num_heads, self.head_dim).transpose(1, 2)  # (B, h, L, D)
+
+    def forward(self, hidden, context, block_rope, context_rope, allowed):
+        # hidden (B, L, hid), context (B, C, hid), allowed (B, 1, L, C + L) bool
+        batch, length, _ = hidden.shape
+        query = _apply_rope(self._heads(self.q_proj(hidden), self.num_heads), *block_rope)  # (B, H, L, D)
+        keys = torch.cat([
+            _apply_rope(self._heads(self.k_proj(context), self.num_kv_heads), *context_rope),
+            _apply_rope(self._heads(self.k_proj(hidden), self.num_kv_heads), *block_rope),
+        ], dim=2)  # (B, H_kv, C + L, D)
+        values = torch.cat([self._heads(self.v_proj(context), self.num_kv_heads),
+                            self._heads(self.v_proj(hidden), self.num_kv_heads)], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(groups, dim=1)  # (B, H, C + L, D)
+        values = values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed)  # (B, H, L, D)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class LaSpecVisualCrossAttention(nn.Module):
+    """Block queries over the M selected visual embeddings (no RoPE: visual tokens are a set)."""
+
+    def __init__(self, config: LaSpecDrafterConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        inner = self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(config.vision_hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(config.vision_hidden_size, inner, bias=False)
+        self.o_proj = nn.Linear(inner, config.hidden_size, bias=False)
+
+    def forward(self, hidden, visual, visual_mask):
+        # hidden (B, L, hid), visual (B, M, vis), visual_mask (B, M) bool
+        batch, length, _ = hidden.shape
+        num_visual = visual.shape[1]
+        query = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
+        # (B, H, M, D)
+        keys = self.k_proj(visual).view(batch, num_visual, self.num_heads, self.head_dim).transpose(1, 2)
+        values = self.v_proj(visual).view(batch, num_visual, self.num_heads, self.head_dim).transpose(1, 2)
+        any_visual = visual_mask.any(-1)  # (B,)
+        # a row without visual tokens attends to slot 0 and is zeroed below (no NaN from an empty softmax)
+        allowed = visual_mask.clone()
+        allowed[:, 0] |= ~any_visual
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, None, None, :])  # (B, H, L, D)
+        out = out * any_visual[:, None, None, None].to(out.dtype)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class LaSpecMLP(nn.Module):
+    def __init__(self, config: LaSpecDrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden):
+        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class LaSpecDecoderLayer(nn.Module):
+    """Self-attention over [context ; block], gated visual cross-attention, SwiGLU MLP (pre-norm residuals)."""
+
+    def __init__(self, config: LaSpecDrafterConfig):
+        super().__init__()
+        self.input_layernorm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LaSpecSelfAttention(config)
+        self.visual_layernorm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.visual_attn = LaSpecVisualCrossAttention(config)
+        # tanh(0) = 0: the cross-attention branch contributes exactly nothing until trained
+        self.visual_gate = nn.Parameter(torch.zeros(1))
+        self.post_attention_layernorm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LaSpecMLP(config)
+
+    def forward(self, hidden, context, block_rope, context_rope, allowed, visual=None, visual_mask=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, block_rope, context_rope, allowed)
+        if visual is not None:
+            cross = self.visual_attn(self.visual_layernorm(hidden), visual, visual_mask)
+            hidden = hidden + torch.tanh(self.visual_gate).to(cross.dtype) * cross
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@dataclass
+class LaSpecDrafterOutput(ModelOutput):
+    """Output of [`LaSpecDrafterModel`].
+
+    Args:
+        logits (`torch.FloatTensor` of shape `(B, L, V)`): position k is the distribution of the token at
+            text position `position_ids[:, 0] + k + 1`.
+        hidden_states (tuple of `torch.FloatTensor` of shape `(B, L, hidden_size)`, *optional*): the block
+            after the input embedding and after each layer (before the final norm).
+    """
+
+    logits: torch.FloatTensor | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+class LaSpecDrafterModel(PreTrainedModel):
+    r"""Block-parallel LaSpec drafter over the target's hidden states (see the module docstring).
+
+    Its embedding and LM head are the target's, attached with [`attach_target`] after loading.
+
+    Examples:
+        >>> config = LaSpecDrafterConfig.for_target(target, block_size=4)  # doctest: +SKIP
+        >>> drafter = LaSpecDrafterModel(config).attach_target(target)  # doctest: +SKIP
+        >>> out = target(input_ids, output_hidden_states=True)  # doctest: +SKIP
+        >>> context = gather_target_hidden(out.hidden_states, config.target_layer_ids)  # doctest: +SKIP
+        >>> block, positions = make_block_inputs(input_ids[:, -1], torch.tensor([n - 1]), 4)  # doctest: +SKIP
+        >>> logits = drafter(block, context[:, :-1], position_ids=positions).logits  # (1, 4, V)  # doctest: +SKIP
+    """
+
+    config_class = LaSpecDrafterConfig
+    base_model_prefix = "drafter"
+    main_input_name = "input_ids"
+    _no_split_modules = ["LaSpecDecoderLayer"]
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: LaSpecDrafterConfig):
+        super().__init__(config)
+        num_fused = len(config.target_layer_ids)
+        self.context_proj = nn.Linear(num_fused * config.target_hidden_size, config.hidden_size, bias=False)
+        self.context_norm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        needs_proj = config.target_hidden_size != config.hidden_size
+        self.input_proj = nn.Linear(config.target_hidden_size, config.hidden_size, bias=False) if needs_proj else None
+        self.output_proj = nn.Linear(config.hidden_size, config.target_hidden_size, bias=False) if needs_proj else None
+        self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size)) if config.mask_token_id is None else None
+        self.layers = nn.ModuleList(LaSpecDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the target's (embedding, lm_head): plain references, never sub-modules (not saved, not moved)
+        self.__dict__["_target_modules"] = None
+        self.post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, LaSpecDecoderLayer):
+            init.zeros_(module.visual_gate)
+        elif isinstance(module, LaSpecDrafterModel) and module.mask_embedding is not None:
+            init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
+
+    # ---- target modules
+
+    def attach_target(self, target) -> LaSpecDrafterModel:
+        """Use `target`'s input embedding and LM head (frozen, not stored in this model's checkpoint).
+
+        Args:
+            target (`PreTrainedModel`): the verifier (LM or VLM); its text vocabulary must match `config.vocab_size`.
+
+        Returns:
+            `self`, for chaining.
+        """
+        embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embedding is None or lm_head is None:
+            raise ValueError("attach_target needs a target with both input embeddings and an LM head.")
+        if embedding.weight.shape[1] != self.config.target_hidden_size:
+            raise ValueError(
+                f"The target's embedding width {embedding.weight.shape[1]} differs from "
+                f"config.target_hidden_size={self.config.target_hidden_size}."
+            )
+        if lm_head.weight.shape[0] != self.config.vocab_size:
+            raise ValueError(
+                f"The target's LM head has {lm_head.weight.shape[0]} outputs but config.vocab_size="
+                f"{self.config.vocab_size}."
+            )
+        self.__dict__["_target_modules"] = (embedding, lm_head)
+        return self
+
+    def detach_target(self) -> None:
+        """Drop the references to the target's modules."""
+        self.__dict__["_target_modules"] = None
+
+    @property
+    def has_target(self) -> bool:
+        return self.__dict__.get("_target_modules") is not None
+
+    def _target(self):
+        modules = self.__dict__.get("_target_modules")
+        if modules is None:
+            raise RuntimeError(
+                "LaSpecDrafterModel has no token embedding / LM head: they are the target's own modules and are "
+                "not stored in the drafter checkpoint. Call `drafter.attach_target(target_model)` first."
+            )
+        return modules
+
+    def get_input_embeddings(self):
+        modules = self.__dict__.get("_target_modules")
+        return None if modules is None else modules[0]
+
+    def get_output_embeddings(self):
+        modules = self.__dict__.get("_target_modules")
+        return None if modules is None else modules[1]
+
+    def set_input_embeddings(self, value):
+        raise NotImplementedError("The drafter uses the target's embedding: call attach_target(target).")
+
+    # ---- forward
+
+    def _embed_block(self, input_ids: torch.Tensor, embedding: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """(B, L) ids -> (B, L, hidden): column 0 embedded by the target, later columns MASK."""
+        batch, length = input_ids.shape
+        with torch.no_grad():  # frozen target embedding
+            first = embedding(input_ids[:, :1]).to(dtype)  # (B, 1, target_hidden)
+            if self.mask_embedding is None and length > 1:
+                mask_ids = torch.full((batch, length - 1), self.config.mask_token_id, device=input_ids.device)
+                masks = embedding(mask_ids).to(dtype)  # (B, L - 1, target_hidden)
+        if self.input_proj is not None:
+            first = self.input_proj(first)
+            if self.mask_embedding is None and length > 1:
+                masks = self.input_proj(masks)
+        if length == 1:
+            return first
+        if self.mask_embedding is not None:
+            masks = self.mask_embedding.to(dtype).expand(batch, length - 1, -1)
+        return torch.cat([first, masks], dim=1)
+
+    def _lm_head(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Target LM head with its weights held fixed (gradients reach `hidden` only)."""
+        if isinstance(lm_head, nn.Linear):
+            weight = lm_head.weight.detach()
+            bias = None if lm_head.bias is None else lm_head.bias.detach()
+            return F.linear(hidden.to(weight.dtype), weight, bias)
+        return lm_head(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden: torch.Tensor,
+        context_mask: torch.Tensor | None = None,
+        visual_embeds: torch.Tensor | None = None,
+        visual_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        context_position_ids: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> LaSpecDrafterOutput:
+        r"""Draft one block.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(B, L)`): `[last accepted token, MASK, ...]`; only column 0 is
+                read (every later column is a MASK).
+            target_hidden (`torch.FloatTensor` of shape `(B, C, len(target_layer_ids) * target_hidden_size)`): the
+                target's hidden states at C context positions ([`gather_target_hidden`]).
+            context_mask (`torch.BoolTensor` of shape `(B, C)`, *optional*): False for padding context slots.
+            visual_embeds (`torch.FloatTensor` of shape `(B, M, vision_hidden_size)`, *optional*): the selected
+                visual tokens' embeddings; without them the cross-attention branches are skipped.
+            visual_mask (`torch.BoolTensor` of shape `(B, M)`, *optional*): False for padding visual tokens.
+            position_ids (`torch.LongTensor` of shape `(B, L)`, *optional*): text positions of the block; default
+                `C + arange(L)`.
+            context_position_ids (`torch.LongTensor` of shape `(B, C)`, *optional*): text positions of the context;
+                default `arange(C)`. Only slots with a position before `position_ids[:, 0]` are visible.
+            output_hidden_states (`bool`): also return the per-layer block states.
+
+        Returns:
+            [`LaSpecDrafterOutput`] with `logits` of shape `(B, L, vocab_size)`.
+        """
+        embedding, lm_head = self._target()
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, block); got {tuple(input_ids.shape)}.")
+        batch, length = input_ids.shape
+        expected = len(self.config.target_layer_ids) * self.config.target_hidden_size
+        if target_hidden.dim() != 3 or target_hidden.shape[0] != batch or target_hidden.shape[-1] != expected:
+            raise ValueError(
+                f"target_hidden must have shape (batch={batch}, context, {expected}) = len(target_layer_ids) * "
+                f"target_hidden_size; got {tuple(target_hidden.shape)}."
+            )
+        num_context = target_hidden.shape[1]
+        device, dtype = target_hidden.device, self.context_proj.weight.dtype
+        if position_ids is None:
+            position_ids = (num_context + torch.arange(length, device=device)).expand(batch, -1)
+        if context_position_ids is None:
+            context_position_ids = torch.arange(num_context, device=device).expand(batch, -1)
+        if context_mask is None:
+            context_mask = torch.ones(batch, num_context, dtype=torch.bool, device=device)
+        if visual_embeds is not None:
+            if visual_embeds.dim() != 3 or visual_embeds.shape[-1] != self.config.vision_hidden_size:
+                raise ValueError(
+                    f"visual_embeds must have shape (batch, M, vision_hidden_size={self.config.vision_hidden_size}); "
+                    f"got {tuple(visual_embeds.shape)}."
+                )
+            visual_embeds = visual_embeds.to(dtype)
+            if visual_mask is None:
+                visual_mask = torch.ones(visual_embeds.shape[:2], dtype=torch.bool, device=device)
+            visual_mask = visual_mask.bool()
+
+        context = self.context_norm(self.context_proj(target_hidden.to(dtype)))  # (B, C, hid)
+        hidden = self._embed_block(input_ids, embedding, dtype)  # (B, L, hid)
+
+        # keys = [context (C) ; block (L)]: valid context strictly before the block, causal inside the block
+        context_visible = context_mask.bool() & (context_position_ids < position_ids[:, :1])  # (B, C)
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()  # (L, L)
+        allowed = torch.cat([context_visible[:, None, :].expand(batch, length, num_context),
+                             causal.expand(batch, length, length)], dim=-1)[:, None]  # (B, 1, L, C + L)
+        block_rope = _rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+        context_rope = _rope_cos_sin(context_position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+
+        all_hidden = (hidden,) if output_hidden_states else None
+        for layer in self.layers:
+            hidden = layer(hidden, context, block_rope, context_rope, allowed, visual_embeds, visual_mask)
+            if output_hidden_states:
+                all_hidden += (hidden,)
+        hidden = self.norm(hidden)
+        if self.output_proj is not None:
+            hidden = self.output_proj(hidden)
+        logits = self._lm_head(hidden, lm_head)  # (B, L, V)
+        return LaSpecDrafterOutput(logits=logits, hidden_states=all_hidden)
+
+
+def register_auto_classes() -> None:
+    """Register the drafter with `AutoConfig` / `AutoModel` (idempotent: safe to call more than once)."""
+    AutoConfig.register(LaSpecDrafterConfig.model_type, LaSpecDrafterConfig, exist_ok=True)
+    AutoModel.register(LaSpecDrafterConfig, LaSpecDrafterModel, exist_ok=True)
+
+
+# --------------------------------------------------------------------------- acceptance-aware training
+
+
+def acceptance_weights(accept_probs: torch.Tensor) -> torch.Tensor:
+    """Chance that draft position k is reached at all: w_k = stopgrad(prod_{j<k} a_j), w_1 = 1.
+
+    Args:
+        accept_probs (`torch.FloatTensor` of shape `(B, K)`): a_k, the probability the target accepts position k.
+
+    Returns:
+        `torch.FloatTensor` of shape `(B, K)`, detached from the graph.
+
+    Examples:
+        >>> acceptance_weights(torch.tensor([[0.5, 0.8, 0.9]]))
+        tensor([[1.0000, 0.5000, 0.4000]])
+    """
+    accept_probs = accept_probs.detach()
+    shifted = torch.cat([torch.ones_like(accept_probs[:, :1]), accept_probs[:, :-1]], dim=1)  # (B, K): a_0 = 1
+    return shifted.cumprod(dim=1)
+
+
+def acceptance_aware_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    accept_probs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Acceptance-weighted cross-entropy L = sum_k w_k CE_k / sum_k w_k (PAPERS.md section 2).
+
+    The sums run over the batch and the block together, so a row whose draft survives longer contributes
+    more positions. Labels equal to -100 are ignored like a False `mask`.
+
+    Args:
+        logits (`torch.FloatTensor` of shape `(B, K, V)`): drafter logits.
+        labels (`torch.LongTensor` of shape `(B, K)`): target tokens (-100 = ignore).
+        accept_probs (`torch.FloatTensor` of shape `(B, K)`): a_k ([`accept_probs_from`]); no gradient flows
+            through them.
+        mask (`torch.BoolTensor` of shape `(B, K)`, *optional*): False for positions to ignore.
+
+    Returns:
+        Scalar `torch.FloatTensor`.
+    """
+    weights = acceptance_weights(accept_probs).float()  # (B, K)
+    keep = labels != -100
+    if mask is not None:
+        keep = keep & mask.bool()
+    cross_entropy = F.cross_entropy(
+        logits.float().transpose(1, 2), labels.masked_fill(~keep, 0), reduction="none"
+    )  # (B, K)
+    weights = weights * keep
+    return (weights * cross_entropy).sum() / weights.sum().clamp_min(1e-12)
+
+
+def accept_probs_from(draft_logits: torch.Tensor, target: torch.Tensor, greedy: bool) -> torch.Tensor:
+    """Per-position acceptance probability a_k of the drafter's distribution q against the target.
+
+    Greedy: a_k = q_k(t_k), the drafter's probability of the target's greedy token t_k (the chance an argmax /
+    sampled draft matches it). Sampling: a_k = sum_v min(p_k(v), q_k(v)) (Leviathan et al. 2023).
+
+    Args:
+        draft_logits (`torch.FloatTensor` of shape `(B, K, V)`): drafter logits (processed, if the loop processes).
+        target (`torch.Tensor`): greedy: the target's tokens `(B, K)` (-100 = ignore, gives a_k = 0) or its
+            probabilities `(B, K, V)` (argmax taken); sampling: the target's probabilities `(B, K, V)`.
+        greedy (`bool`): which rule.
+
+    Returns:
+        `torch.FloatTensor` of shape `(B, K)` in [0, 1] (differentiable w.r.t. `draft_logits`).
+    """
+    draft_probs = torch.softmax(draft_logits.float(), dim=-1)  # (B, K, V): q
+    if greedy:
+        tokens = target.argmax(-1) if target.dim() == 3 else target  # (B, K)
+        valid = tokens != -100
+        probs = draft_probs.gather(-1, tokens.clamp_min(0)[..., None]).squeeze(-1)  # (B, K)
+        return probs * valid
+    if target.dim() != 3 or target.shape != draft_logits.shape:
+        raise ValueError(
+            f"Sampling acceptance needs target probabilities of shape {tuple(draft_logits.shape)}; "
+            f"got {tuple(target.shape)}."
+        )
+    return torch.minimum(target.float(), draft_probs).sum(-1)
