@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import warnings
 
 import torch
 
@@ -60,16 +61,23 @@ def use_backend(name: str):
         _BACKEND.reset(token)
 
 
-def _kernel_for(op_name: str, tensor: torch.Tensor):
+def _kernel_for(op_name: str, tensor: torch.Tensor | None):
     """The Triton kernel to run for `op_name` on `tensor`, or None for the torch reference."""
     backend = _BACKEND.get()
-    if backend == "torch":
+    if backend == "torch" or tensor is None:
         return None
     if backend == "auto" and not (tensor.is_cuda and triton_available()):
         return None
     if not triton_available():
         raise RuntimeError("The triton ops backend was forced but `triton` is not installed.")
-    return getattr(_triton_module(), op_name, None)
+    try:
+        module = _triton_module()
+    except ImportError as error:  # triton is there but broken: results stay right on the reference path
+        if backend == "triton":
+            raise
+        warnings.warn(f"triton failed to import ({error}); using the torch reference ops.", stacklevel=3)
+        return None
+    return getattr(module, op_name, None)
 
 
 def _dispatch(op_name: str):
@@ -77,8 +85,16 @@ def _dispatch(op_name: str):
 
     @functools.wraps(reference_fn)
     def dispatched(first, *args, **kwargs):
-        kernel = _kernel_for(op_name, first[0] if isinstance(first, (list, tuple)) else first)
-        return (kernel or reference_fn)(first, *args, **kwargs)
+        probe = (first[0] if first else None) if isinstance(first, (list, tuple)) else first
+        kernel = _kernel_for(op_name, probe)
+        if kernel is None:
+            out = kwargs.pop("out", None)  # the references allocate; honour a caller's buffer by copying
+            result = reference_fn(first, *args, **kwargs)
+            if out is not None:
+                out.copy_(result[0] if isinstance(result, tuple) else result)
+                return (out, *result[1:]) if isinstance(result, tuple) else out
+            return result
+        return kernel(first, *args, **kwargs)
 
     return dispatched
 

@@ -232,9 +232,9 @@ def visual_vote(scores: torch.Tensor, per_layer: int, keep: int) -> torch.Tensor
     per_layer = min(per_layer, num_tokens)
     keep = min(keep, num_tokens)
     top = scores.topk(per_layer, dim=-1).indices  # (L, B, m)
+    ballots = top.permute(1, 0, 2).reshape(batch, -1)  # (B, L * m)
     votes = torch.zeros(batch, num_tokens, dtype=torch.float32, device=scores.device)
-    for layer in range(num_layers):
-        votes.scatter_add_(1, top[layer], torch.ones_like(top[layer], dtype=torch.float32))
+    votes.scatter_add_(1, ballots, torch.ones_like(ballots, dtype=torch.float32))
     total = scores.float().sum(0)  # (B, T)
     # votes are integers; the summed score (< num_layers) breaks ties without crossing a vote
     rank_key = votes * (num_layers + 1.0) + total / (total.amax(-1, keepdim=True) + 1e-12)
