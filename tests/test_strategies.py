@@ -45,7 +45,7 @@ def test_sage_depth_and_width_follow_eq_10_11():
 
 
 def test_sage_previous_root_plans_the_next_round():
-    sage = _sage(alpha_init=0.5)
+    sage = _sage(alpha_init=0.5, alpha_source="previous_root")
     sage.on_root(_logits_with_alpha([1.0, 1.0]))
     assert sage.alpha.tolist() == [0.5, 0.5]  # this round still uses alpha_0
     sage.on_root(_logits_with_alpha([0.0, 0.0]))
@@ -79,13 +79,27 @@ def test_sage_node_budget_keeps_the_most_probable():
 
 
 def test_sage_expansion_threshold_uses_cumulative_probability():
-    sage = _sage(alpha_source="current_root", theta_scale=0.1)
-    sage.on_root(_logits_with_alpha([1.0, 1.0]))  # D = 8: theta_1 = 0.1 * 1 / 8 = 0.0125
-    root = Frontier(probs=torch.ones(2, 1), cum_probs=torch.ones(2, 1), valid=torch.ones(2, 1, dtype=torch.bool))
-    probs = torch.tensor([0.5, 0.01] + [0.0] * 8).expand(2, 1, -1)
-    take, expand = sage.select(1, root, probs)
-    assert take[0, 0, :2].tolist() == [True, True]
-    assert expand[0, 0, :2].tolist() == [True, False]  # 0.01 < theta_1
+    sage = _sage(alpha_source="current_root", theta_scale=0.1, expand_rule="cumulative")
+    sage.on_root(_logits_with_alpha([1.0, 1.0]))  # D = 8: theta_2 = 0.1 * 2 / 8 = 0.025
+    parent = Frontier(probs=torch.full((2, 1), 0.04), cum_probs=torch.full((2, 1), 0.04),
+                      valid=torch.ones(2, 1, dtype=torch.bool))
+    probs = torch.tensor([0.9, 0.1] + [0.0] * 8).expand(2, 1, -1)
+    take, expand = sage.select(2, parent, probs)
+    assert take[0, 0, :1].tolist() == [True]
+    assert expand[0, 0, :1].tolist() == [True]  # cumulative 0.036 > 0.025
+    parent.cum_probs = torch.full((2, 1), 0.02)
+    _, expand = sage.select(2, parent, probs)
+    assert expand[0, 0, :1].tolist() == [False]  # cumulative 0.018 < 0.025
+
+
+def test_sage_node_rule_uses_the_node_probability():
+    sage = _sage(alpha_source="current_root", theta_scale=0.4, expand_rule="node", d_min=2, d_max=4)
+    sage.on_root(_logits_with_alpha([1.0, 1.0]))  # D = 4: theta_2 = 0.4 * 2 / 4 = 0.2
+    parent = Frontier(probs=torch.full((2, 1), 0.9), cum_probs=torch.full((2, 1), 0.01),
+                      valid=torch.ones(2, 1, dtype=torch.bool))
+    probs = torch.tensor([0.3, 0.15] + [0.0] * 8).expand(2, 1, -1)
+    take, expand = sage.select(2, parent, probs)
+    assert expand[0, 0, :2].tolist() == [True, False]  # 0.3 > 0.2 > 0.15, whatever the path probability
 
 
 def test_sage_history_moves_d_max_with_hysteresis():

@@ -14,6 +14,7 @@ from .. import ops
 from .base import Strategy, StrategyConfig, on_gpu
 
 ALPHA_SOURCES = ("previous_root", "current_root")
+EXPAND_RULES = ("cumulative", "node")
 
 
 @dataclass
@@ -25,12 +26,15 @@ class SageConfig(StrategyConfig):
         w_min, w_max (`float`): width range of Eq. 11 (GPU 2, 10; CPU 1, 3).
         n_max (`int`): node budget per tree, root excluded (GPU 64; CPU 8).
         top_k (`int`): k of the top-k entropy, Eq. 7-9 (10).
-        theta_scale (`float`): expansion threshold theta_l = theta_scale * l / D(alpha), compared with the
-            node's cumulative path probability (0.1).
+        theta_scale (`float`): expansion threshold theta_l = theta_scale * l / D(alpha) (0.1).
+        expand_rule (`str`): what theta_l is compared with: "cumulative" (the path probability P(y_<=l), the
+            paper's formal condition) or "node" (the node's own drafter probability: keep drafting while the
+            drafter stays sure, which suits a CPU, where every verified token beyond ~3 costs).
         alpha_init (`float`): alpha of the first round (0.5).
         alpha_source (`str`): which drafter distribution sets alpha. "previous_root" (the paper's temporal
-            reading: the root distribution of the previous round plans this round) or "current_root" (this
-            round's root distribution, available before the tree is built at no extra cost).
+            reading: the root distribution of the previous round plans this round; GPU default) or
+            "current_root" (this round's root distribution, available before the tree is built at no extra
+            cost; CPU default).
         history_window (`int`): acceptance lengths remembered per row (10).
         history_low, history_high (`float`): mean accepted length below which D_max drops by one, above which it
             rises by one (2, 3).
@@ -44,9 +48,10 @@ class SageConfig(StrategyConfig):
     w_max: float | None = None
     n_max: int | None = None
     top_k: int = 10
-    theta_scale: float = 0.1
+    theta_scale: float | None = None
+    expand_rule: str | None = None
     alpha_init: float = 0.5
-    alpha_source: str = "previous_root"
+    alpha_source: str | None = None
     history_window: int = 10
     history_low: float = 2.0
     history_high: float = 3.0
@@ -54,10 +59,12 @@ class SageConfig(StrategyConfig):
     adaptive_history: bool = True
 
     def device_defaults(self, device):
-        if on_gpu(device):
-            defaults = {"d_min": 3, "d_max": 8, "w_min": 2.0, "w_max": 10.0, "n_max": 64}
-        else:
-            defaults = {"d_min": 2, "d_max": 6, "w_min": 1.0, "w_max": 3.0, "n_max": 8}
+        if on_gpu(device):  # the paper's settings
+            defaults = {"d_min": 3, "d_max": 8, "w_min": 2.0, "w_max": 10.0, "n_max": 64, "theta_scale": 0.1,
+                        "expand_rule": "cumulative", "alpha_source": "previous_root"}
+        else:  # measured on 2 CPU cores (docs/benchmarks.md): verifying > 3 tokens costs 2-3 target steps
+            defaults = {"d_min": 2, "d_max": 20, "w_min": 1.0, "w_max": 1.0, "n_max": 20, "theta_scale": 0.6,
+                        "expand_rule": "node", "alpha_source": "current_root"}
         defaults["depth_cap"] = self.d_max if self.d_max is not None else defaults["d_max"]
         return defaults
 
@@ -68,6 +75,8 @@ class SageConfig(StrategyConfig):
             raise ValueError(f"SageConfig needs 1 <= w_min <= w_max, got {self.w_min}, {self.w_max}.")
         if self.n_max < 1 or self.top_k < 2 or self.history_window < 1:
             raise ValueError("SageConfig needs n_max >= 1, top_k >= 2 and history_window >= 1.")
+        if self.expand_rule not in EXPAND_RULES:
+            raise ValueError(f"SageConfig.expand_rule must be one of {EXPAND_RULES}, got {self.expand_rule!r}.")
         if self.alpha_source not in ALPHA_SOURCES:
             raise ValueError(f"SageConfig.alpha_source must be one of {ALPHA_SOURCES}, got {self.alpha_source!r}.")
         if not 0.0 <= self.alpha_init <= 1.0:
@@ -135,7 +144,8 @@ class SageStrategy(Strategy):
             take &= (position < left[:, None]).view_as(take)
         self.nodes_used += take.flatten(1).sum(-1)
         theta = c.theta_scale * level / depth.clamp_min(1)  # (B,)
-        expand = take & (cum > theta[:, None, None]) & (level < depth)[:, None, None]
+        score = cum if c.expand_rule == "cumulative" else candidate_probs
+        expand = take & (score > theta[:, None, None]) & (level < depth)[:, None, None]
         return take, expand
 
     def observe(self, accept_length, active):
