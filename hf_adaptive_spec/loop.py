@@ -185,7 +185,7 @@ def speculative_decode(
 
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     counts, done = stopper.cut(buffer, first_token[:, None], torch.ones_like(first_token))
-    _emit(buffer, streamer, first_token[:, None], counts, stats)
+    _emit(buffer, streamer, first_token[:, None], counts)
     if want_scores or want_logits:
         _record_scores(row_scores, row_logits, first_scores[:, None], first_raw[:, None], counts)
     finished |= done
@@ -198,6 +198,7 @@ def speculative_decode(
         drafter.set_pending(first_token[:, None], torch.ones(batch_size, 1, dtype=torch.bool, device=device))
         stats.time_prefill += clock.lap()
     strategy = strategy_class(config, batch_size, device)
+    trace = _RoundTrace()
 
     def process_draft(logits, paths, depths, valid):
         return process_logits(logits_processor, buffer, paths, depths, logits, valid)
@@ -239,16 +240,10 @@ def speculative_decode(
         if want_scores or want_logits:
             _record_scores(row_scores, row_logits, scores.gather(1, _expand(path_index, scores)),
                            raw.gather(1, _expand(path_index, raw)), counts)
-        _emit(buffer, streamer, new_tokens, counts, stats)
+        _emit(buffer, streamer, new_tokens, counts)
         finished |= done & active
         stats.rounds += 1
-        stats.row_rounds += int(active.sum())
-        stats.drafted_tokens += int((tree.num_drafted() * active).sum())
-        stats.accepted_tokens += int((accept_length * active).sum())
-        stats.accepted_lengths.extend(accept_length[active].tolist())
-        confidence = strategy.round_confidence()
-        if confidence is not None:
-            stats.sage_alphas.extend(confidence[active].tolist())
+        trace.record(active, tree.num_drafted(), accept_length, strategy.round_confidence())
         strategy.observe(accept_length, active)
         stats.time_accept += clock.lap()
 
@@ -261,6 +256,8 @@ def speculative_decode(
 
     if streamer is not None:
         streamer.end()
+    trace.finish(stats)
+    stats.new_tokens = int((buffer.lengths - buffer.prompt_length).sum())
     stats.time_total = time.perf_counter() - start_time
     sequences = buffer.sequences()
     if not return_dict:
@@ -278,9 +275,34 @@ def _expand(path_index, values):
     return path_index[..., None].expand(-1, -1, values.shape[-1])
 
 
-def _emit(buffer, streamer, tokens, counts, stats):
+class _RoundTrace:
+    """Per-round statistics kept on the device and read back once at the end (no host sync per round)."""
+
+    def __init__(self):
+        self.active, self.drafted, self.accepted, self.confidence = [], [], [], []
+
+    def record(self, active, drafted, accepted, confidence):
+        self.active.append(active)
+        self.drafted.append(drafted)
+        self.accepted.append(accepted)
+        if confidence is not None:
+            self.confidence.append(confidence)
+
+    def finish(self, stats: SpecStats) -> None:
+        if not self.active:
+            return
+        active = torch.stack(self.active).flatten()  # (rounds * B,) in round order, rows within a round
+        accepted = torch.stack(self.accepted).flatten()[active]
+        stats.row_rounds = int(active.sum())
+        stats.drafted_tokens = int(torch.stack(self.drafted).flatten()[active].sum())
+        stats.accepted_tokens = int(accepted.sum())
+        stats.accepted_lengths = accepted.tolist()
+        if self.confidence:
+            stats.sage_alphas = torch.stack(self.confidence).flatten()[active].tolist()
+
+
+def _emit(buffer, streamer, tokens, counts):
     buffer.append(tokens, counts)
-    stats.new_tokens += int(counts.sum())
     if streamer is not None and int(counts[0]) > 0:
         streamer.put(tokens[:, : int(counts[0])].cpu())
 
