@@ -114,9 +114,3 @@ class ModelRunner:
             layer.keys, layer.values = compacted[i], compacted[len(layers) + i]
         self.slot_valid = torch.cat([self.slot_valid, keep_valid], dim=1)
         self.next_position = self.next_position + keep_valid.sum(-1)
-
-    def drop_tail(self) -> None:
-        """Forget every uncommitted slot."""
-        extra = self.cache.get_seq_length() - self.committed_length
-        if extra:
-            self.cache.crop(-extra)

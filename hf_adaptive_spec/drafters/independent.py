@@ -32,7 +32,7 @@ class IndependentDrafter:
         self.runner: ModelRunner | None = None
         self.pending: torch.Tensor | None = None  # (B, P) right-aligned
         self.pending_valid: torch.Tensor | None = None  # (B, P)
-        self._tail_parents = None
+        self._num_pending = 0
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, raw_inputs: dict) -> None:
