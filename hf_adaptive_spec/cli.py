@@ -50,7 +50,10 @@ def load_model(name_or_path: str, dtype: str = "float32"):
 
 def _chat_inputs(processor, prompt: str, image_path: str | None = None, chat: bool = True):
     if image_path is not None:
-        from PIL import Image
+        try:
+            from PIL import Image
+        except ImportError as error:
+            raise SystemExit("--image needs Pillow: pip install pillow") from error
 
         image = Image.open(image_path).convert("RGB")
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
