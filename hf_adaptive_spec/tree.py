@@ -92,7 +92,8 @@ class TreeBuilder:
     def build(self) -> DraftTree:
         tokens = torch.cat(self.tokens, dim=1)
         parents = torch.cat(self.parents, dim=1)
-        _, depths = ops.ancestor_matrix(parents)
+        # levels are stored in order, so a node's depth is its level's index (padding nodes: 0)
+        depths = torch.cat([torch.where(valid, level, 0) for level, valid in enumerate(self.valid)], dim=1)
         return DraftTree(
             tokens=tokens,
             parents=parents,
