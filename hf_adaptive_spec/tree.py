@@ -51,6 +51,29 @@ class DraftTree:
         """`(B,)` number of real draft nodes per row (root excluded)."""
         return self.valid[:, 1:].sum(-1)
 
+    def subset(self, keep: torch.Tensor) -> "DraftTree":
+        """The tree restricted to nodes `keep` `(B, N)` (closed under ancestors, root kept), order preserved."""
+        index, valid, width = compact_true(keep & self.valid)
+        new_index = (keep & self.valid).long().cumsum(-1) - 1  # (B, N) old -> new position
+        parents = self.parents.gather(1, index)
+        parents = torch.where(valid & (parents >= 0), new_index.gather(1, parents.clamp_min(0)), -1)
+        depths = torch.where(valid, self.depths.gather(1, index), 0)
+        draft_probs = None
+        if self.draft_probs is not None:
+            draft_probs = self.draft_probs.gather(1, index[..., None].expand(-1, -1, self.draft_probs.shape[-1]))
+            draft_probs = draft_probs * valid[..., None]
+        return DraftTree(
+            tokens=torch.where(valid, self.tokens.gather(1, index), 0),
+            parents=parents,
+            valid=valid,
+            probs=torch.where(valid, self.probs.gather(1, index), 0.0),
+            cum_probs=torch.where(valid, self.cum_probs.gather(1, index), 0.0),
+            depths=depths,
+            drafter_slot=torch.where(valid, self.drafter_slot.gather(1, index), -1),
+            num_levels=int(depths.max()) if depths.numel() else 0,
+            draft_probs=draft_probs,
+        )
+
     def path_tokens(self) -> torch.Tensor:
         """`(B, N, num_levels)` tokens on the path root-exclusive to each node; column d-1 holds depth d."""
         ancestors, depths = ops.ancestor_matrix(self.parents)

@@ -66,7 +66,8 @@ def test_copy_drafter_accepts_everything(arch, strategy):
     config = {
         "chain": ChainConfig(num_draft_tokens=4, adaptive=False),
         "static_tree": StaticTreeConfig(paths=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)]),
-        "sage": SageConfig(d_min=4, d_max=4, w_min=1, w_max=2, n_max=8, theta_scale=0.0, adaptive_history=False),
+        "sage": SageConfig(d_min=4, d_max=4, w_min=1, w_max=2, n_max=8, theta_scale=0.0, adaptive_history=False,
+                          verify_cost=False),
     }[strategy]
     drafter = build_drafter(arch, target, "copy")
     expected = _plain(target, inputs, max_new_tokens=31)

@@ -57,11 +57,20 @@ class Strategy:
 
     name: str = ""
     config_class: type = StrategyConfig
+    requires_block_drafter: bool = False  # True: only a LaSpecDrafterModel can draft for it
 
     def __init__(self, config: StrategyConfig, batch_size: int, device: torch.device):
         self.config = config
         self.batch_size = batch_size
         self.device = device
+        self.sampling = False  # set by the loop: True under do_sample (draws must stay unbiased)
+
+    @property
+    def cost_aware(self) -> bool:
+        """True if the loop should trim each drafted tree with the verifier cost model (`cost.py`) before
+        verifying it. Greedy decoding only: under sampling, dropping a drawn node for its own value would bias
+        the draws."""
+        return bool(getattr(self.config, "verify_cost", False))
 
     @property
     def max_children(self) -> int:

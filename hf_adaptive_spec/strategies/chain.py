@@ -19,12 +19,15 @@ class ChainConfig(StrategyConfig):
         max_draft_tokens (`int`, *optional*): upper bound (CPU 8, GPU 16).
         adaptive (`bool`, defaults to `True`): grow by 2 after a fully accepted draft, shrink by 1 otherwise
             (per row), like stock assisted generation's "heuristic" schedule.
+        verify_cost (`bool`, defaults to `False`): under greedy decoding, cut each chain to the prefix that pays
+            for its verification on the target's measured cost curve (`hf_adaptive_spec.cost`).
     """
 
     num_draft_tokens: int | None = None
     min_draft_tokens: int | None = None
     max_draft_tokens: int | None = None
     adaptive: bool = True
+    verify_cost: bool = False
 
     def device_defaults(self, device):
         gpu = on_gpu(device)

@@ -40,6 +40,8 @@ class SageConfig(StrategyConfig):
             rises by one (2, 3).
         depth_cap (`int`): upper clamp of the adaptive D_max (default: d_max); the lower clamp is d_min + 1.
         adaptive_history (`bool`): enable the D_max adaptation (True).
+        verify_cost (`bool`): under greedy decoding, trim each drafted tree to the nodes that pay for their
+            verification on the measured cost curve of the target (`hf_adaptive_spec.cost`; GPU False, CPU True).
     """
 
     d_min: int | None = None
@@ -57,6 +59,7 @@ class SageConfig(StrategyConfig):
     history_high: float = 3.0
     depth_cap: int | None = None
     adaptive_history: bool = True
+    verify_cost: bool | None = None
 
     def device_defaults(self, device):
         if on_gpu(device):  # the paper's settings
@@ -65,6 +68,7 @@ class SageConfig(StrategyConfig):
         else:  # measured on 2 CPU cores (docs/benchmarks.md): verifying > 3 tokens costs 2-3 target steps
             defaults = {"d_min": 2, "d_max": 20, "w_min": 1.0, "w_max": 1.0, "n_max": 20, "theta_scale": 0.6,
                         "expand_rule": "node", "alpha_source": "current_root"}
+        defaults["verify_cost"] = not on_gpu(device)
         defaults["depth_cap"] = self.d_max if self.d_max is not None else defaults["d_max"]
         return defaults
 
@@ -138,7 +142,11 @@ class SageStrategy(Strategy):
         cum = frontier.cum_probs[..., None] * candidate_probs  # (B, F, K)
         left = (c.n_max - self.nodes_used).clamp_min(0)
         if bool((take.flatten(1).sum(-1) > left).any()):
-            order = torch.where(take, cum, -1.0).flatten(1).argsort(dim=-1, descending=True, stable=True)
+            # greedy: the best path probabilities. Sampling: a sampled child may only be dropped for what came
+            # before it (its parent's path, earlier draws), never for its own drawn value, or the draws would
+            # no longer follow q: rank by the parent's path probability, earlier draws first.
+            priority = frontier.cum_probs[..., None].expand_as(cum) if self.sampling else cum
+            order = torch.where(take, priority, -1.0).flatten(1).argsort(dim=-1, descending=True, stable=True)
             position = torch.empty_like(order)
             position.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
             take &= (position < left[:, None]).view_as(take)

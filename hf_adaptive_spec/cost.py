@@ -1,0 +1,268 @@
+"""Verifier cost profile and the marginal-cost criterion (Uni-LaSpec, PAPERS.md section 2).
+
+On a GPU at low load, verifying 16 tokens costs about what verifying 1 does;
+on a 2-core CPU the cost jumps once the forward leaves the small-matrix GEMM
+path (about 4 tokens) and then grows. A tree that is right on one device is
+wrong on the other, so the size of what gets verified is chosen from a
+MEASURED cost curve:
+
+* `CostProfile`: T(n), seconds of one target forward over n new tokens
+  (batch, dtype and device fixed), measured once on the real cache and kept
+  in memory and on disk (`$HF_ADAPTIVE_SPEC_CACHE/_verifier_cost/`).
+* `AcceptanceCalibrator`: maps the drafter's probability of a node to the
+  chance the target accepts it given its parent was accepted, learned online
+  from every verified node (the tree forward gives the target's choice after
+  each node, on or off the accepted path).
+* `choose_prefix`: the paper's rule "add nodes in decreasing survival
+  probability pi_i while pi_i * t_token >= dT(n)", taken globally: with
+  S(n) the summed pi of the n best nodes it keeps the n maximising
+  S(n) - T(n + 1) / t_token over the batch. That is what the marginal rule
+  aims at (long-run tokens per second, Dinkelbach form with t_token the
+  current seconds per generated token); unlike the greedy local rule it does
+  not stop at the first step of a non-convex curve (the CPU's jump at 4
+  tokens followed by a flat stretch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import ops
+
+__all__ = ["AcceptanceCalibrator", "CostModel", "CostProfile", "choose_prefix", "measure_verifier_cost",
+           "verifier_cost_profile"]
+
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+_MEMORY: dict[str, "CostProfile"] = {}
+
+
+@dataclass
+class CostProfile:
+    """T(n) of one verification forward over n new tokens, measured at `sizes` (ascending, starting at 1).
+
+    Fields:
+        sizes: the token counts measured.
+        seconds: median seconds of a forward at each size.
+        key: what the profile is valid for (model, dtype, device, batch size, threads).
+    """
+
+    sizes: list
+    seconds: list
+    key: str = ""
+
+    def __post_init__(self):
+        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"CostProfile.sizes must be ascending distinct ints >= 1, got {self.sizes}.")
+        if len(self.sizes) != len(self.seconds) or any(s <= 0 for s in self.seconds):
+            raise ValueError("CostProfile needs one positive time per size.")
+
+    def time(self, n: int) -> float:
+        """T(n), linear between measured sizes, extended by the last slope beyond the largest."""
+        sizes, seconds = self.sizes, self.seconds
+        if n <= sizes[0]:
+            return seconds[0] * max(n, 0) / sizes[0] if n < sizes[0] else seconds[0]
+        for i in range(1, len(sizes)):
+            if n <= sizes[i]:
+                frac = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+                return seconds[i - 1] + frac * (seconds[i] - seconds[i - 1])
+        if len(sizes) == 1:
+            return seconds[0] * n / sizes[0]
+        slope = max((seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]), 0.0)
+        return seconds[-1] + slope * (n - sizes[-1])
+
+    def table(self, max_tokens: int, device=None) -> torch.Tensor:
+        """`(max_tokens + 1,)` float tensor: entry n is T(n) (T(0) = 0)."""
+        return torch.tensor([self.time(n) for n in range(max_tokens + 1)], dtype=torch.float32, device=device)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _profile_key(model, batch_size: int) -> str:
+    device = model.device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    config = model.config.get_text_config()
+    shape = f"{config.hidden_size}x{config.num_hidden_layers}"
+    attn = getattr(model.config, "_attn_implementation", "")
+    return (f"{type(model).__name__}|{name}|{shape}|{model.dtype}|{device_name}|{attn}|batch{batch_size}|"
+            f"threads{torch.get_num_threads()}")
+
+
+def _cost_dir() -> Path:
+    from .models import default_cache_root
+
+    return default_cache_root() / "_verifier_cost"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_verifier_cost(runner, sizes=DEFAULT_SIZES, repeats: int = 3) -> CostProfile:
+    """Time chain blocks of each size against `runner`'s real cache, then drop them (the cache is unchanged).
+
+    Args:
+        runner (`ModelRunner`): the target's runner right after the prefill.
+        sizes (sequence of `int`): token counts to measure.
+        repeats (`int`): forwards per size; the median is kept (one extra warm-up forward first).
+    """
+    batch = runner.slot_valid.shape[0]
+    device = runner.slot_valid.device
+    seconds = []
+    keep_none = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    for n in sizes:
+        tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
+        parents = (torch.arange(n, device=device) - 1).expand(batch, n)
+        valid = torch.ones(batch, n, dtype=torch.bool, device=device)
+        times = []
+        for rep in range(repeats + (1 if n == sizes[0] else 0)):
+            _sync(device)
+            start = time.perf_counter()
+            runner.forward(tokens, parents, valid)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+            runner.commit(keep_none, keep_none.bool())
+        seconds.append(statistics.median(times[-repeats:]))
+    # kept as measured, not made monotone: on a CPU 16 tokens can really cost less than 12 (GEMM tiling)
+    return CostProfile(sizes=list(sizes), seconds=seconds)
+
+
+def verifier_cost_profile(runner, sizes=DEFAULT_SIZES, repeats: int = 3, use_disk: bool = True) -> CostProfile:
+    """The target's cost profile: from memory, else from disk, else measured now (and stored).
+
+    Set `HF_ADAPTIVE_SPEC_COST_REFRESH=1` to measure again.
+    """
+    key = _profile_key(runner.model, runner.slot_valid.shape[0])
+    refresh = os.environ.get("HF_ADAPTIVE_SPEC_COST_REFRESH") == "1"
+    if key in _MEMORY and not refresh:
+        return _MEMORY[key]
+    path = _cost_dir() / f"{abs(hash_key(key)):016x}.json"
+    profile = None
+    if use_disk and path.exists() and not refresh:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                profile = CostProfile(**data)
+        except (OSError, ValueError, TypeError):
+            profile = None
+    if profile is None:
+        profile = measure_verifier_cost(runner, sizes, repeats)
+        profile.key = key
+        if use_disk:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(profile.to_dict()))
+                tmp.replace(path)
+            except OSError:
+                pass  # a read-only cache folder only costs a re-measure next time
+    _MEMORY[key] = profile
+    return profile
+
+
+def hash_key(key: str) -> int:
+    """A stable 64-bit hash (Python's `hash` of a str changes between processes)."""
+    value = 1469598103934665603
+    for byte in key.encode():
+        value = ((value ^ byte) * 1099511628211) % (1 << 64)
+    return value
+
+
+class AcceptanceCalibrator:
+    """P(target accepts a node | its parent was accepted) as a function of the drafter's node probability.
+
+    Binned over [0, 1] with a prior that trusts the drafter's probability (`prior_weight` pseudo-counts at the
+    bin centre), updated from every verified node.
+    """
+
+    def __init__(self, num_bins: int = 20, prior_weight: float = 2.0, device=None):
+        self.num_bins = num_bins
+        centres = (torch.arange(num_bins, device=device, dtype=torch.float32) + 0.5) / num_bins
+        self.accepted = centres * prior_weight
+        self.total = torch.full((num_bins,), prior_weight, device=device)
+
+    def _bin(self, probs: torch.Tensor) -> torch.Tensor:
+        return (probs.float() * self.num_bins).long().clamp(0, self.num_bins - 1)
+
+    def __call__(self, probs: torch.Tensor) -> torch.Tensor:
+        """Calibrated acceptance for drafter probabilities of any shape."""
+        return (self.accepted / self.total)[self._bin(probs)]
+
+    def observe(self, tree, target_choice: torch.Tensor) -> None:
+        """Learn from one verified tree: node i was right iff its token is the target's choice after its parent."""
+        nodes = tree.valid.clone()
+        nodes[:, 0] = False
+        parent_choice = target_choice.gather(1, tree.parents.clamp_min(0))
+        right = (tree.tokens == parent_choice) & nodes
+        bins = self._bin(tree.probs)[nodes]
+        self.total.index_add_(0, bins, torch.ones_like(bins, dtype=torch.float32))
+        self.accepted.index_add_(0, bins, right[nodes].float())
+
+
+def survival(tree, accept: torch.Tensor) -> torch.Tensor:
+    """`(B, N)` pi_i: product of the per-node acceptance `accept` `(B, N)` along each node's path (root = 1)."""
+    log_accept = torch.where(tree.valid, accept.clamp_min(1e-9).log(), 0.0)
+    log_accept[:, 0] = 0.0
+    ancestors, _ = ops.ancestor_matrix(tree.parents)
+    pi = torch.exp(torch.bmm(ancestors.float(), log_accept[..., None]).squeeze(-1))
+    return torch.where(tree.valid, pi, 0.0)
+
+
+def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token: float) -> tuple[torch.Tensor, int]:
+    """Which nodes to verify: the best count n of highest-pi nodes per row, shared by the batch.
+
+    Args:
+        pi (`torch.FloatTensor` of shape `(B, N)`): survival probability of each node (root first, pi = 1;
+            padding 0). Along any path pi never grows, so the top-n set is closed under ancestors.
+        cost_table (`torch.FloatTensor` of shape `(M,)`): T(m) for m = 0 .. M - 1 tokens in one forward.
+        seconds_per_token (`float`): t_token, the current cost of one generated token.
+
+    Returns:
+        `(keep, n)`: `keep` `(B, N)` bool (root always kept) and n, the number of draft nodes kept per row.
+    """
+    batch, num_nodes = pi.shape
+    draft = pi[:, 1:]
+    order = draft.argsort(dim=-1, descending=True, stable=True)  # ties: lower index (ancestors) first
+    gain = draft.gather(1, order).sum(0).cumsum(0)  # (N - 1,) expected accepted tokens of the n best, summed
+    gain = torch.cat([gain.new_zeros(1), gain])  # n = 0 .. N - 1
+    sizes = torch.arange(1, num_nodes + 1, device=pi.device).clamp_max(cost_table.shape[0] - 1)
+    value = gain - cost_table.to(pi.device)[sizes] / max(seconds_per_token, 1e-9)
+    n = int(value.argmax())
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(num_nodes - 1, device=pi.device).expand(batch, -1))
+    keep = torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=pi.device), rank < n], dim=1) & (pi > 0)
+    keep[:, 0] = True
+    return keep, n
+
+
+class CostModel:
+    """What the loop gives a cost-aware strategy: the profile, calibration, and the running t_token."""
+
+    def __init__(self, profile: CostProfile, max_tokens: int, device, smoothing: float = 0.3):
+        self.profile = profile
+        self.table = profile.table(max_tokens + 1, device=device)
+        self.calibrator = AcceptanceCalibrator(device=device)
+        # before any round: one plain decoding step per token
+        self.seconds_per_token = profile.time(1)
+        self.smoothing = smoothing
+
+    def prune(self, tree) -> tuple[torch.Tensor, int]:
+        """`(keep (B, N), n)` for `tree` (see `choose_prefix`)."""
+        pi = survival(tree, self.calibrator(tree.probs))
+        return choose_prefix(pi, self.table, self.seconds_per_token)
+
+    def observe(self, tree, target_choice: torch.Tensor, round_seconds: float, tokens: int) -> None:
+        self.calibrator.observe(tree, target_choice)
+        if tokens > 0:
+            rate = round_seconds / tokens
+            self.seconds_per_token += self.smoothing * (rate - self.seconds_per_token)

@@ -1,0 +1,143 @@
+"""The verifier cost profile and the marginal-cost rule (hf_adaptive_spec.cost)."""
+
+import json
+
+import pytest
+import torch
+
+from hf_adaptive_spec import SageConfig, cost
+from hf_adaptive_spec.cost import AcceptanceCalibrator, CostModel, CostProfile, choose_prefix, survival
+from hf_adaptive_spec.runner import ModelRunner
+from hf_adaptive_spec.tree import DraftTree
+from tiny_models import build_drafter, build_model, make_inputs
+
+
+def _tree(parents, probs, tokens=None):
+    parents = torch.tensor([parents])
+    n = parents.shape[1]
+    probs = torch.tensor([probs], dtype=torch.float32)
+    depths = torch.zeros_like(parents)
+    for i in range(1, n):
+        depths[0, i] = depths[0, parents[0, i]] + 1
+    return DraftTree(
+        tokens=torch.tensor([tokens]) if tokens is not None else torch.arange(n)[None] + 10,
+        parents=parents, valid=torch.ones_like(parents, dtype=torch.bool), probs=probs, cum_probs=probs,
+        depths=depths, drafter_slot=torch.full_like(parents, -1), num_levels=int(depths.max()),
+    )
+
+
+def test_profile_interpolates_and_extends():
+    profile = CostProfile(sizes=[1, 2, 4, 8], seconds=[1.0, 1.0, 2.0, 4.0])
+    assert profile.time(0) == 0.0
+    assert profile.time(3) == pytest.approx(1.5)
+    assert profile.time(6) == pytest.approx(3.0)
+    assert profile.time(10) == pytest.approx(5.0)  # last slope 0.5 per token
+    assert profile.table(4).tolist() == pytest.approx([0.0, 1.0, 1.0, 1.5, 2.0])
+    with pytest.raises(ValueError, match="ascending"):
+        CostProfile(sizes=[2, 1], seconds=[1.0, 1.0])
+    with pytest.raises(ValueError, match="positive"):
+        CostProfile(sizes=[1], seconds=[0.0])
+
+
+def test_choose_prefix_skips_the_expensive_middle_of_a_step_curve():
+    # a CPU-like curve: flat to 3 tokens, a jump at 4, flat again to 16
+    table = torch.tensor([0.0] + [1.0] * 3 + [2.0] * 13)
+    # one row, 12 nodes; a confident chain (pi 0.95^d)
+    pi = torch.tensor([[1.0] + [0.95 ** d for d in range(1, 13)]])
+    keep, n = choose_prefix(pi, table, seconds_per_token=1.0)
+    # n=2: gain 0.95+0.90=1.85, cost 1 -> 0.85; n=12: gain ~8.9, cost 2 -> ~6.9 (anything from 3 to 11 is worse)
+    assert n == 12 and bool(keep.all())
+    # an unsure chain: keep what fits in the flat part
+    pi = torch.tensor([[1.0] + [0.5 ** d for d in range(1, 13)]])
+    keep, n = choose_prefix(pi, table, seconds_per_token=1.0)
+    assert n == 2
+    assert keep[0].tolist() == [True, True, True] + [False] * 10
+
+
+def test_choose_prefix_keeps_ancestors_and_shares_n_across_the_batch():
+    pi = torch.tensor([[1.0, 0.9, 0.1, 0.8, 0.05], [1.0, 0.2, 0.2, 0.1, 0.0]])
+    table = torch.tensor([0.0, 1.0, 1.1, 1.2, 1.3, 1.4])
+    keep, n = choose_prefix(pi, table, seconds_per_token=1.0)
+    # summed gain of the n best per row: n=1: 1.1, n=2: 1.1+0.8+0.2 = 2.1 ... marginal cost 0.1 per token
+    assert n == 3
+    assert keep[0].tolist() == [True, True, True, True, False]
+    assert keep[1].tolist() == [True, True, True, True, False]  # pi 0 (padding) never kept
+
+
+def test_survival_multiplies_along_paths():
+    tree = _tree([-1, 0, 0, 1, 3], [1.0, 0.5, 0.4, 0.5, 0.5])
+    pi = survival(tree, tree.probs)
+    assert pi[0].tolist() == pytest.approx([1.0, 0.5, 0.4, 0.25, 0.125])
+
+
+def test_calibrator_learns_from_verified_nodes():
+    calibrator = AcceptanceCalibrator(num_bins=4, prior_weight=1.0)
+    tree = _tree([-1, 0, 0], [1.0, 0.9, 0.9], tokens=[5, 6, 7])
+    before = float(calibrator(torch.tensor(0.9)))
+    for _ in range(20):  # the target always chooses 7 after the root: node 1 is wrong, node 2 right
+        calibrator.observe(tree, torch.tensor([[7, 0, 0]]))
+    assert before == pytest.approx(0.875)
+    assert float(calibrator(torch.tensor(0.9))) == pytest.approx((0.875 + 20) / 41)
+
+
+def test_subset_keeps_structure():
+    tree = _tree([-1, 0, 0, 1, 2, 3], [1.0, 0.9, 0.5, 0.8, 0.4, 0.7])
+    keep = torch.tensor([[True, True, False, True, False, True]])
+    sub = tree.subset(keep)
+    assert sub.tokens[0].tolist() == [10, 11, 13, 15]
+    assert sub.parents[0].tolist() == [-1, 0, 1, 2]
+    assert sub.depths[0].tolist() == [0, 1, 2, 3]
+    assert sub.num_levels == 3
+
+
+def test_measured_profile_leaves_the_cache_unchanged_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost, "_MEMORY", {})
+    target = build_model("qwen2")
+    inputs = make_inputs("qwen2", batch_size=2)
+    out = target(**inputs, use_cache=True)
+    cache = out.past_key_values
+    keys = [layer.keys.clone() for layer in cache.layers]
+    position_ids = torch.arange(inputs["input_ids"].shape[1]).expand(2, -1)
+    runner = ModelRunner(target, cache, inputs["attention_mask"].bool(), position_ids)
+    profile = cost.verifier_cost_profile(runner, sizes=(1, 2, 4), repeats=1)
+    assert profile.sizes == [1, 2, 4] and all(s > 0 for s in profile.seconds)
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(keys, cache.layers))
+    files = list((tmp_path / "_verifier_cost").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"] == profile.key
+    monkeypatch.setattr(cost, "_MEMORY", {})
+    monkeypatch.setattr(cost, "measure_verifier_cost", lambda *a, **k: pytest.fail("should read the disk copy"))
+    assert cost.verifier_cost_profile(runner, sizes=(1, 2, 4)).seconds == profile.seconds
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_cost_rule_trims_trees_and_output_stays_exact(arch, monkeypatch):
+    target = build_model(arch)
+    drafter = build_drafter(arch, target, "copy")
+    inputs = make_inputs(arch, batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=20, do_sample=False)
+    # verifying more than 2 new tokens (root + 1 draft) costs 100 steps: only one draft token can pay
+    steep = CostProfile(sizes=[1, 2, 3], seconds=[1.0, 1.0, 100.0])
+    monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: steep)
+    config = SageConfig(d_min=4, d_max=4, w_min=1, w_max=2, n_max=8, theta_scale=0.0, verify_cost=True)
+    out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                          spec_strategy="sage", spec_config=config, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    stats = out.spec_stats
+    assert stats.drafted_tokens <= stats.row_rounds  # at most one draft node per row and round
+    assert stats.pruned_tokens > 0
+    # a flat curve keeps whole trees
+    flat = CostProfile(sizes=[1, 64], seconds=[1.0, 1.0])
+    monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: flat)
+    out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                          spec_strategy="sage", spec_config=config, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.mean_accepted_length == pytest.approx(5.0, abs=0.6)
+
+
+def test_cost_model_tracks_seconds_per_token():
+    model = CostModel(CostProfile(sizes=[1], seconds=[2.0]), max_tokens=8, device="cpu", smoothing=0.5)
+    assert model.seconds_per_token == 2.0
+    tree = _tree([-1, 0], [1.0, 0.9])
+    model.observe(tree, torch.tensor([[11, 0]]), round_seconds=2.0, tokens=2)
+    assert model.seconds_per_token == pytest.approx(1.5)
