@@ -17,7 +17,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from . import ops
 from .acceptance import sample_accept
 from .compat import check_cache, check_model, check_pair
+from .cost import CostModel, verifier_cost_profile
+from .drafters.block import BlockDrafter
 from .drafters.independent import IndependentDrafter
+from .drafters.laspec import LaSpecDrafterModel
 from .processors import SequenceBuffer, StopChecker, process_logits
 from .runner import ModelRunner
 from .strategies import get_strategy_class, resolve_config
@@ -40,6 +43,11 @@ class SpecStats:
         time_*: seconds spent in the prefill (target and drafter), drafting (drafter forwards), tree and mask
             building, verification (target forwards), acceptance (processors, path choice, stopping) and KV
             compaction. On a GPU these are host times between phases, without extra synchronisation.
+        time_profile: seconds spent measuring the verifier's cost curve (first use of a cost-aware strategy
+            with a given model, dtype, device and batch size; later calls read it from memory or disk).
+        pruned_tokens: draft nodes the cost model trimmed before verification (cost-aware strategies).
+        time_visual: seconds spent selecting visual tokens for a LaSpec drafter (int8 keys at the prefill, the
+            score-and-vote each round); `time_visual / rounds` is the per-round selection cost.
     """
 
     strategy: str = ""
@@ -56,6 +64,9 @@ class SpecStats:
     time_verify: float = 0.0
     time_accept: float = 0.0
     time_compact: float = 0.0
+    time_profile: float = 0.0
+    pruned_tokens: int = 0
+    time_visual: float = 0.0
     time_total: float = 0.0
 
     @property
@@ -142,7 +153,14 @@ def speculative_decode(
         raise ValueError("spec_strategy does not support synced_gpus.")
     _check_generation_config(generation_config, model_kwargs, streamer, batch_size)
     check_model(model, "target")
-    check_model(assistant_model, "drafter")
+    block_drafter = isinstance(assistant_model, LaSpecDrafterModel)
+    if strategy_class.requires_block_drafter and not block_drafter:
+        raise ValueError(
+            f"spec_strategy={strategy_name!r} drafts with a LaSpecDrafterModel (hf_adaptive_spec.LaSpecDrafterModel, "
+            f"e.g. trained by `hf-adaptive-spec train-drafter`); got {type(assistant_model).__name__}."
+        )
+    if not block_drafter:
+        check_model(assistant_model, "drafter")
     check_pair(model, assistant_model, tokenizer, assistant_tokenizer)
     if not model_kwargs.get("use_cache", True):
         raise ValueError("spec_strategy needs use_cache=True.")
@@ -166,7 +184,8 @@ def speculative_decode(
 
     # 1. target prefill, exactly as plain generate runs it -> the first token
     clock = _Clock()
-    outputs = model._prefill(input_ids, generation_config, model_kwargs)
+    prefill_kwargs = {**model_kwargs, "output_hidden_states": True} if block_drafter else model_kwargs
+    outputs = model._prefill(input_ids, generation_config, prefill_kwargs)
     if cache.get_seq_length() != input_ids.shape[1]:
         raise ValueError(
             f"{type(model).__name__} cached {cache.get_seq_length()} positions for a {input_ids.shape[1]}-token "
@@ -179,6 +198,7 @@ def speculative_decode(
         first_token = torch.multinomial(torch.softmax(first_scores, dim=-1), 1).squeeze(1)
     else:
         first_token = first_scores.argmax(-1)
+    prefill_hidden = outputs.hidden_states if block_drafter else None
     del outputs
     slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     target = ModelRunner(model, cache, slot_valid, position_ids)
@@ -193,11 +213,24 @@ def speculative_decode(
 
     drafter = None
     if not bool(finished.all()):
-        drafter = IndependentDrafter(assistant_model)
-        drafter.prefill(input_ids, attention_mask, raw_inputs or {})
-        drafter.set_pending(first_token[:, None], torch.ones(batch_size, 1, dtype=torch.bool, device=device))
+        if block_drafter:
+            drafter = BlockDrafter(assistant_model, model, block_size=getattr(config, "block_size", None),
+                                   num_visual_tokens=getattr(config, "num_visual_tokens", None))
+            drafter.prefill(prefill_hidden, slot_valid, first_token)
+            drafter.setup_vision(input_ids, prefill_hidden, cache)
+            stats.time_visual += drafter.visual_time
+        else:
+            drafter = IndependentDrafter(assistant_model)
+            drafter.prefill(input_ids, attention_mask, raw_inputs or {})
+            drafter.set_pending(first_token[:, None], torch.ones(batch_size, 1, dtype=torch.bool, device=device))
         stats.time_prefill += clock.lap()
+    del prefill_hidden
     strategy = strategy_class(config, batch_size, device)
+    strategy.sampling = do_sample
+    cost = None
+    if drafter is not None and strategy.cost_aware and not do_sample:
+        cost = CostModel(verifier_cost_profile(target), max_tokens=256, device=device)
+        stats.time_profile += clock.lap()
     trace = _RoundTrace()
 
     def process_draft(logits, paths, depths, valid):
@@ -205,22 +238,33 @@ def speculative_decode(
 
     # 2. rounds
     while not bool(finished.all()):
+        round_start = time.perf_counter()
         active = ~finished
         # deepest useful draft: the bonus token needs one slot of the remaining budget
         max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
-        draft_model_time = drafter.runner.model_time
+        draft_model_time = drafter.model_time
         tree = drafter.draft(strategy, process_draft, max_depth, sample=do_sample)
         elapsed = clock.lap()
-        stats.time_draft += drafter.runner.model_time - draft_model_time
-        stats.time_tree += elapsed - (drafter.runner.model_time - draft_model_time)
+        stats.time_draft += drafter.model_time - draft_model_time
+        stats.time_tree += elapsed - (drafter.model_time - draft_model_time)
+        if cost is not None:  # verify only what pays for its marginal cost
+            drafted = tree.num_drafted()
+            tree = tree.subset(cost.prune(tree)[0])
+            stats.pruned_tokens += int((drafted - tree.num_drafted())[active].sum())
+            stats.time_tree += clock.lap()
 
         verify_model_time = target.model_time
-        outputs = target.forward(tree.tokens, tree.parents, tree.valid)  # (B, N, V) logits, ONE forward
+        if block_drafter:  # the target's states feed the drafter's context: same forward, no extra pass
+            with drafter.capture_context():
+                outputs = target.forward(tree.tokens, tree.parents, tree.valid, output_hidden_states=True)
+        else:
+            outputs = target.forward(tree.tokens, tree.parents, tree.valid)  # (B, N, V) logits, ONE forward
         elapsed = clock.lap()
         stats.time_verify += target.model_time - verify_model_time
         stats.time_tree += elapsed - (target.model_time - verify_model_time)
 
         raw = outputs.logits.to(torch.float32)
+        verify_hidden = outputs.hidden_states if block_drafter else None
         del outputs
         scores = raw
         if len(logits_processor):
@@ -251,8 +295,17 @@ def speculative_decode(
             break
         keep = int(accept_length.max()) + 1
         target.commit(path_index[:, :keep], torch.arange(keep, device=device)[None, :] <= accept_length[:, None])
-        drafter.commit(tree, path_index, accept_length, bonus)
+        if block_drafter:
+            drafter.commit(tree, verify_hidden, path_index, accept_length, bonus)
+            visual_before = drafter.visual_time
+            drafter.select_visual(path_index.gather(1, accept_length[:, None]).squeeze(1))
+            stats.time_visual += drafter.visual_time - visual_before
+        else:
+            drafter.commit(tree, path_index, accept_length, bonus)
+        del verify_hidden
         stats.time_compact += clock.lap()
+        if cost is not None:
+            cost.observe(tree, scores.argmax(-1), time.perf_counter() - round_start, int(counts.sum()))
 
     if streamer is not None:
         streamer.end()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from hf_adaptive_spec import ChainConfig, StaticTreeConfig, acceptance
+from hf_adaptive_spec import ChainConfig, LaSpecDrafterConfig, LaSpecDrafterModel, SageConfig, StaticTreeConfig, acceptance
 from hf_adaptive_spec.tree import DraftTree
 from tiny_models import build_drafter, build_model, make_inputs
 
@@ -104,12 +104,24 @@ def _speculative_counts(target, drafter, strategy, config, seed=0, rows=2_000):
 CASES = {
     "chain": ChainConfig(num_draft_tokens=3, adaptive=False),
     "static_tree": StaticTreeConfig(paths=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]),
+    # a node budget smaller than the tree: sampled children may only be dropped for what came before them
+    "sage": SageConfig(d_min=3, d_max=3, w_min=3, w_max=3, n_max=5, theta_scale=0.0, adaptive_history=False),
+    # the block drafter: every node of depth d draws from the block's depth-d distribution
+    "laspec": {"top_k": 2, "n_max": 6, "block_size": 3},
 }
+
+
+def _laspec_drafter(target):
+    torch.manual_seed(3)
+    config = LaSpecDrafterConfig.for_target(target, block_size=3, initializer_range=0.5)
+    return LaSpecDrafterModel(config).eval().attach_target(target)
 
 
 @pytest.mark.parametrize("strategy", list(CASES))
 def test_speculative_sampling_follows_the_target(models, strategy):
     target, drafter = models
+    if strategy == "laspec":
+        drafter = _laspec_drafter(target)
     exact = _exact_joint(target)
     counts = _speculative_counts(target, drafter, strategy, CASES[strategy])
     assert _chi_square_p_value(counts, exact) > ALPHA

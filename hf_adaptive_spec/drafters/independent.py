@@ -60,6 +60,11 @@ class IndependentDrafter:
         slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         self.runner = ModelRunner(model, cache, slot_valid, position_ids)
 
+    @property
+    def model_time(self) -> float:
+        """Seconds spent inside the drafter's forwards so far."""
+        return self.runner.model_time if self.runner is not None else 0.0
+
     def set_pending(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         self.pending, self.pending_valid = tokens, valid
 

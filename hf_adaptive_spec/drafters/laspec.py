@@ -471,23 +471,20 @@ class LaSpecDrafterModel(PreTrainedModel):
 
     # ---- forward
 
-    def _embed_block(self, input_ids: torch.Tensor, embedding: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        """(B, L) ids -> (B, L, hidden): column 0 embedded by the target, later columns MASK."""
+    def _embed_block(self, input_ids: torch.Tensor, embedding: nn.Module, dtype: torch.dtype,
+                     block_length: int) -> torch.Tensor:
+        """(B, L) ids -> (B, L, hidden): each block's first column embedded by the target, the others MASK."""
         batch, length = input_ids.shape
+        is_first = (torch.arange(length, device=input_ids.device) % block_length) == 0  # (L,)
         with torch.no_grad():  # frozen target embedding
-            first = embedding(input_ids[:, :1]).to(dtype)  # (B, 1, target_hidden)
-            if self.mask_embedding is None and length > 1:
-                mask_ids = torch.full((batch, length - 1), self.config.mask_token_id, device=input_ids.device)
-                masks = embedding(mask_ids).to(dtype)  # (B, L - 1, target_hidden)
+            mask_id = 0 if self.mask_embedding is not None else self.config.mask_token_id  # MASK columns are not read
+            ids = torch.where(is_first, input_ids, mask_id)
+            embedded = embedding(ids).to(dtype)  # (B, L, target_hidden)
         if self.input_proj is not None:
-            first = self.input_proj(first)
-            if self.mask_embedding is None and length > 1:
-                masks = self.input_proj(masks)
-        if length == 1:
-            return first
-        if self.mask_embedding is not None:
-            masks = self.mask_embedding.to(dtype).expand(batch, length - 1, -1)
-        return torch.cat([first, masks], dim=1)
+            embedded = self.input_proj(embedded)
+        if self.mask_embedding is None:
+            return embedded
+        return torch.where(is_first[None, :, None], embedded, self.mask_embedding.to(dtype))
 
     def _lm_head(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Target LM head with its weights held fixed (gradients reach `hidden` only)."""
@@ -528,18 +525,52 @@ class LaSpecDrafterModel(PreTrainedModel):
         Returns:
             [`LaSpecDrafterOutput`] with `logits` of shape `(B, L, vocab_size)`.
         """
+        expected = len(self.config.target_layer_ids) * self.config.target_hidden_size
+        if target_hidden.dim() != 3 or target_hidden.shape[0] != input_ids.shape[0] or target_hidden.shape[-1] != expected:
+            raise ValueError(
+                f"target_hidden must have shape (batch={input_ids.shape[0]}, context, {expected}) = "
+                f"len(target_layer_ids) * target_hidden_size; got {tuple(target_hidden.shape)}."
+            )
+        return self.forward_block(
+            input_ids, self.encode_context(target_hidden), context_mask=context_mask, visual_embeds=visual_embeds,
+            visual_mask=visual_mask, position_ids=position_ids, context_position_ids=context_position_ids,
+            output_hidden_states=output_hidden_states,
+        )
+
+    def encode_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Fused target states `(B, C, len(target_layer_ids) * target_hidden_size)` -> drafter context
+        `(B, C, hidden_size)` (linear + RMSNorm). Per position, so a decoding loop encodes each state once."""
+        dtype = self.context_proj.weight.dtype
+        return self.context_norm(self.context_proj(target_hidden.to(dtype)))
+
+    def forward_block(
+        self,
+        input_ids: torch.Tensor,
+        context: torch.Tensor,
+        context_mask: torch.Tensor | None = None,
+        visual_embeds: torch.Tensor | None = None,
+        visual_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        context_position_ids: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        block_length: int | None = None,
+    ) -> LaSpecDrafterOutput:
+        """[`forward`] with an already encoded context `(B, C, hidden_size)` ([`encode_context`]).
+
+        `block_length` (default: L, one block) splits the L query positions into consecutive blocks of that
+        length, each with its own anchor (its first column's token and position): a block sees the context
+        before its own first position and, causally, itself only. Training runs every anchor of a sequence in
+        one row this way; the result per block equals a separate one-block call.
+        """
         embedding, lm_head = self._target()
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must have shape (batch, block); got {tuple(input_ids.shape)}.")
         batch, length = input_ids.shape
-        expected = len(self.config.target_layer_ids) * self.config.target_hidden_size
-        if target_hidden.dim() != 3 or target_hidden.shape[0] != batch or target_hidden.shape[-1] != expected:
-            raise ValueError(
-                f"target_hidden must have shape (batch={batch}, context, {expected}) = len(target_layer_ids) * "
-                f"target_hidden_size; got {tuple(target_hidden.shape)}."
-            )
-        num_context = target_hidden.shape[1]
-        device, dtype = target_hidden.device, self.context_proj.weight.dtype
+        if context.dim() != 3 or context.shape[0] != batch or context.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"context must have shape (batch={batch}, C, hidden_size={self.config.hidden_size}); "
+                             f"got {tuple(context.shape)}.")
+        num_context = context.shape[1]
+        device, dtype = context.device, self.context_proj.weight.dtype
         if position_ids is None:
             position_ids = (num_context + torch.arange(length, device=device)).expand(batch, -1)
         if context_position_ids is None:
@@ -557,14 +588,18 @@ class LaSpecDrafterModel(PreTrainedModel):
                 visual_mask = torch.ones(visual_embeds.shape[:2], dtype=torch.bool, device=device)
             visual_mask = visual_mask.bool()
 
-        context = self.context_norm(self.context_proj(target_hidden.to(dtype)))  # (B, C, hid)
-        hidden = self._embed_block(input_ids, embedding, dtype)  # (B, L, hid)
+        block_length = length if block_length is None else block_length
+        if block_length < 1 or length % block_length:
+            raise ValueError(f"block_length ({block_length}) must divide the query length ({length}).")
+        hidden = self._embed_block(input_ids, embedding, dtype, block_length)  # (B, L, hid)
 
         # keys = [context (C) ; block (L)]: valid context strictly before the block, causal inside the block
-        context_visible = context_mask.bool() & (context_position_ids < position_ids[:, :1])  # (B, C)
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()  # (L, L)
-        allowed = torch.cat([context_visible[:, None, :].expand(batch, length, num_context),
-                             causal.expand(batch, length, length)], dim=-1)[:, None]  # (B, 1, L, C + L)
+        block_of = torch.arange(length, device=device) // block_length  # (L,)
+        anchor = position_ids[:, block_of * block_length]  # (B, L): each query's block start
+        context_visible = context_mask.bool()[:, None, :] & (context_position_ids[:, None, :] < anchor[..., None])
+        same_block = block_of[:, None] == block_of[None, :]
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril() & same_block  # (L, L)
+        allowed = torch.cat([context_visible, causal.expand(batch, length, length)], dim=-1)[:, None]  # (B,1,L,C+L)
         block_rope = _rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
         context_rope = _rope_cos_sin(context_position_ids, self.config.head_dim, self.config.rope_theta, dtype)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import Frontier, Strategy, StrategyConfig
 from .chain import ChainConfig, ChainStrategy
+from .laspec import LaSpecConfig, LaSpecStrategy
 from .sage import SageConfig, SageStrategy
 from .static_tree import StaticTreeConfig, StaticTreeStrategy, default_tree_paths
 
@@ -42,7 +43,7 @@ def resolve_config(name: str, spec_config, device) -> StrategyConfig:
     return spec_config.resolve(device)
 
 
-for _cls in (ChainStrategy, StaticTreeStrategy, SageStrategy):
+for _cls in (ChainStrategy, StaticTreeStrategy, SageStrategy, LaSpecStrategy):
     register_strategy(_cls)
 
 __all__ = [
@@ -50,6 +51,8 @@ __all__ = [
     "ChainConfig",
     "ChainStrategy",
     "Frontier",
+    "LaSpecConfig",
+    "LaSpecStrategy",
     "SageConfig",
     "SageStrategy",
     "StaticTreeConfig",

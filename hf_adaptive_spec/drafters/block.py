@@ -1,0 +1,243 @@
+"""The LaSpec block drafter in the decoding loop: one drafter forward per round, from the target's own states.
+
+State between rounds, per row: the drafter's context (the target's fused hidden
+states at every committed position, projected once by the drafter and kept),
+and the pending root (the target's bonus token, not yet run by the target).
+A round runs `[root, MASK, ...]` once and gets `block_size` next-token
+distributions; the strategy turns them into a tree level by level (every node
+of depth d is offered the top-K of the depth-d distribution, processed with
+its own prefix). The target's verification forward returns its hidden states
+too (`output_hidden_states=True`), so the accepted nodes' states extend the
+context with no extra target pass.
+
+For a VLM with an image, the target's queries at a few layers are captured
+during verification; the query of the last accepted position picks the M
+visual tokens the drafter's gated cross-attention sees next round
+(`hf_adaptive_spec.vision`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..strategies import Frontier
+from ..tree import DraftTree, TreeBuilder, compact_true
+from .laspec import LaSpecDrafterModel, gather_target_hidden
+
+__all__ = ["BlockDrafter", "image_token_mask"]
+
+
+def image_token_mask(model, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """`(B, S)` True at the prompt's image/video placeholder tokens, or None if the model has none."""
+    config = model.config
+    ids = []
+    for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= 0:
+            ids.append(value)
+    if not ids:
+        return None
+    mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for value in ids:
+        mask |= input_ids == value
+    return mask if bool(mask.any()) else None
+
+
+class BlockDrafter:
+    """Runs a [`LaSpecDrafterModel`] inside the decoding loop.
+
+    Args:
+        model ([`LaSpecDrafterModel`]): the drafter, attached to `target` (attached here if it is not).
+        target: the verifier.
+        block_size (`int`, *optional*): tokens per block (default: the drafter's `config.block_size`).
+        num_visual_tokens (`int`, *optional*): M, visual tokens selected per round (default: the drafter's
+            `config.num_visual_tokens`; 0 disables the visual branch).
+    """
+
+    def __init__(self, model: LaSpecDrafterModel, target, block_size: int | None = None,
+                 num_visual_tokens: int | None = None):
+        if not isinstance(model, LaSpecDrafterModel):
+            raise ValueError(f"BlockDrafter needs a LaSpecDrafterModel, got {type(model).__name__}.")
+        embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if model.get_input_embeddings() is not embedding or model.get_output_embeddings() is not lm_head:
+            model.attach_target(target)
+        self.model = model
+        self.target = target
+        config = model.config
+        self.block_size = block_size or config.block_size
+        self.num_visual_tokens = config.num_visual_tokens if num_visual_tokens is None else num_visual_tokens
+        self.layer_ids = list(config.target_layer_ids)
+        num_layers = target.config.get_text_config().num_hidden_layers
+        bad = [layer for layer in self.layer_ids if not 0 <= layer < num_layers]
+        if bad:
+            raise ValueError(f"The drafter reads target layers {bad}, but the target has {num_layers} layers.")
+        self.context = None  # (B, C, hidden) projected context
+        self.context_valid = None  # (B, C)
+        self.context_positions = None  # (B, C)
+        self.root = None  # (B,) pending token
+        self.root_position = None  # (B,)
+        self.visual = None  # (B, T, H) the target's input embeddings at the visual positions (prefill)
+        self.visual_store = None
+        self.visual_embeds = None  # (B, M, H) selected this round
+        self.visual_valid = None
+        self.capture = None
+        self.model_time = 0.0
+        self.visual_time = 0.0
+
+    # ---- vision
+
+    @property
+    def uses_vision(self) -> bool:
+        return self.visual_store is not None
+
+    def setup_vision(self, input_ids, hidden_states, cache) -> None:
+        """After the prefill: keep the visual embeddings and int8 keys if the prompt has an image."""
+        from ..vision import VisualKeyStore
+
+        if self.num_visual_tokens <= 0 or not any(layer.visual_gate.abs().sum() > 0 for layer in self.model.layers):
+            return  # an untrained (zero) gate makes the visual branch an exact no-op: skip its cost
+        mask = image_token_mask(self.target, input_ids)
+        if mask is None:
+            return
+        start = time.perf_counter()
+        self.visual_store = VisualKeyStore.from_cache(cache, self.layer_ids, mask)
+        positions = self.visual_store.positions.clamp_min(0)  # (B, T)
+        embeds = hidden_states[0]  # the input embeddings, image features included
+        self.visual = embeds.gather(1, positions[..., None].expand(-1, -1, embeds.shape[-1]))
+        self.visual_time += time.perf_counter() - start
+
+    def capture_context(self):
+        """A context manager that records the target's queries during a forward (no-op without vision)."""
+        from contextlib import nullcontext
+
+        from ..vision import QueryCapture
+
+        if not self.uses_vision:
+            return nullcontext()
+        self.capture = QueryCapture(self.target, self.layer_ids)
+        return self.capture
+
+    def select_visual(self, last_index: torch.Tensor) -> None:
+        """Pick this round's M visual tokens from the query at forward position `last_index` `(B,)`."""
+        from ..vision import select_visual_tokens
+
+        if not self.uses_vision or self.capture is None or not self.capture.queries:
+            return
+        start = time.perf_counter()
+        keep = min(self.num_visual_tokens, self.visual.shape[1])
+        slots, _ = select_visual_tokens(self.capture.query_at(last_index), self.visual_store,
+                                        m_per_layer=2 * keep, keep=keep, timed=False)
+        # slot -> index within the store's visual list
+        store_positions = self.visual_store.positions  # (B, T)
+        local = (store_positions[:, None, :] == slots[..., None]).float().argmax(-1)  # (B, M)
+        self.visual_valid = slots >= 0
+        self.visual_embeds = self.visual.gather(1, local[..., None].expand(-1, -1, self.visual.shape[-1]))
+        self.capture.clear()
+        self.visual_time += time.perf_counter() - start
+
+    # ---- context
+
+    @torch.no_grad()
+    def _encode(self, hidden_states) -> torch.Tensor:
+        return self.model.encode_context(gather_target_hidden(hidden_states, self.layer_ids))
+
+    def prefill(self, hidden_states, slot_valid: torch.Tensor, first_token: torch.Tensor) -> None:
+        """Context from the target's prefill hidden states; the first generated token is the pending root."""
+        self.context = self._encode(hidden_states)
+        self.context_valid = slot_valid
+        self.context_positions = slot_valid.long().cumsum(-1) - 1
+        self.root = first_token
+        self.root_position = slot_valid.sum(-1)
+
+    def commit(self, tree: DraftTree, hidden_states, path_index, accept_length, bonus) -> None:
+        """Append the target's states at the root and accepted nodes; the bonus becomes the next root."""
+        keep = int(accept_length.max()) + 1
+        fused = self._encode(hidden_states)  # (B, N, hidden)
+        index = path_index[:, :keep]
+        new = fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1]))
+        offsets = torch.arange(keep, device=index.device)[None, :]
+        valid = offsets <= accept_length[:, None]
+        self.context = torch.cat([self.context, new], dim=1)
+        self.context_valid = torch.cat([self.context_valid, valid], dim=1)
+        self.context_positions = torch.cat([self.context_positions, self.root_position[:, None] + offsets], dim=1)
+        self.root_position = self.root_position + accept_length + 1
+        self.root = bonus
+
+    # ---- drafting
+
+    @torch.no_grad()
+    def block_logits(self, depth: int) -> torch.Tensor:
+        """`(B, depth, V)`: the drafter's logits for the next `depth` tokens after the root."""
+        model = self.model
+        batch = self.root.shape[0]
+        device = self.root.device
+        input_ids = torch.zeros(batch, depth, dtype=torch.long, device=device)
+        input_ids[:, 0] = self.root
+        positions = self.root_position[:, None] + torch.arange(depth, device=device)
+        start = time.perf_counter()
+        out = model.forward_block(input_ids, self.context, context_mask=self.context_valid,
+                                  context_position_ids=self.context_positions, position_ids=positions,
+                                  visual_embeds=self.visual_embeds, visual_mask=self.visual_valid)
+        self.model_time += time.perf_counter() - start
+        return out.logits
+
+    @torch.no_grad()
+    def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None) -> DraftTree:
+        """One round's tree (same contract as `IndependentDrafter.draft`); node 0 is the pending root."""
+        batch = self.root.shape[0]
+        device = self.root.device
+        depth_limit = max(1, min(self.block_size, int(max_depth.max())))
+        logits = self.block_logits(depth_limit).float()  # (B, L, V)
+        no_path = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
+        ones = torch.ones(batch, 1, dtype=torch.bool, device=device)
+        root_logits = process(logits[:, :1], no_path, torch.zeros(batch, 1, dtype=torch.long, device=device), ones)
+        strategy.on_root(root_logits[:, 0])
+
+        builder = TreeBuilder()
+        unit = torch.ones(batch, 1, device=device)
+        minus = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+        node_index = builder.add_level(self.root[:, None], minus, ones, unit, unit, minus)
+        frontier_nodes = node_index[None, :].expand(batch, 1)
+        frontier = Frontier(probs=unit, cum_probs=unit, valid=ones)
+        frontier_paths = no_path
+        frontier_logits = root_logits  # (B, F, V)
+        k = min(strategy.max_children, logits.shape[-1])
+        for level in range(1, depth_limit + 1):
+            probs = torch.softmax(frontier_logits, dim=-1)
+            if sample:
+                builder.draft_probs.append((torch.where(frontier.valid, frontier_nodes, -1), probs))
+                race = probs / torch.empty_like(probs).exponential_(generator=generator)
+                top_tokens = race.topk(k, dim=-1).indices
+                top_probs = probs.gather(-1, top_tokens)
+            else:
+                top_probs, top_tokens = probs.topk(k, dim=-1)  # (B, F, K)
+            take, expand = strategy.select(level, frontier, top_probs)
+            take = take & (top_probs > 0) & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
+            expand = expand & take & (level < max_depth)[:, None, None] & (level < depth_limit)
+            child, child_valid, width = compact_true(take.flatten(1))
+            if width == 0:
+                break
+            parent_f = child // k
+            child_tokens = top_tokens.flatten(1).gather(1, child)
+            child_probs = top_probs.flatten(1).gather(1, child)
+            child_cum = frontier.cum_probs.gather(1, parent_f) * child_probs
+            child_expand = expand.flatten(1).gather(1, child) & child_valid
+            node_index = builder.add_level(child_tokens, frontier_nodes.gather(1, parent_f), child_valid,
+                                           child_probs, child_cum, torch.full_like(child_tokens, -1))
+            grow, grow_valid, num_grow = compact_true(child_expand)
+            if num_grow == 0:
+                break
+            grow_parent_f = parent_f.gather(1, grow)
+            block_tokens = child_tokens.gather(1, grow)
+            paths = torch.cat([frontier_paths.gather(1, grow_parent_f[..., None].expand(-1, -1, level - 1)),
+                               block_tokens[..., None]], dim=2)  # (B, E, level)
+            # every node of this depth is offered the block's next distribution, processed with its own prefix
+            next_logits = logits[:, level : level + 1].expand(-1, num_grow, -1)
+            frontier_logits = process(next_logits, paths, torch.full_like(block_tokens, level), grow_valid)
+            frontier_nodes = node_index[None, :].expand(batch, -1).gather(1, grow)
+            frontier = Frontier(probs=child_probs.gather(1, grow), cum_probs=child_cum.gather(1, grow),
+                                valid=grow_valid)
+            frontier_paths = paths
+        return builder.build()

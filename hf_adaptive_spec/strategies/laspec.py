@@ -1,0 +1,84 @@
+"""`laspec`: the LaSpec block drafter's proposals, verified as far as they pay (Uni-LaSpec, PAPERS.md section 2).
+
+One drafter forward gives the distribution of each of the next `block_size`
+tokens. The candidate tree offers every node of depth d the top-`top_k` tokens
+of the depth-(d+1) distribution, keeps the `n_max` nodes of highest path
+probability, and the loop's cost model (`hf_adaptive_spec.cost`) then keeps
+only the nodes whose survival probability pays for their marginal
+verification cost on the measured curve: a full tree where extra verified
+tokens are nearly free (a GPU at light load), a truncated chain where they are
+not (a large batch, or a CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Strategy, StrategyConfig, on_gpu
+
+
+@dataclass
+class LaSpecConfig(StrategyConfig):
+    """Settings of the `laspec` strategy (needs a `LaSpecDrafterModel` as `assistant_model`).
+
+    Args:
+        block_size (`int`, *optional*): tokens per drafter block, the tree's depth limit (default: the drafter's
+            `config.block_size`).
+        top_k (`int`, *optional*): children offered per node (GPU 4, CPU 2).
+        n_max (`int`, *optional*): candidate nodes per tree before the cost rule, root excluded (GPU 48, CPU 16).
+        verify_cost (`bool`, defaults to `True`): apply the marginal-cost rule (greedy decoding); False verifies
+            the whole candidate tree.
+        num_visual_tokens (`int`, *optional*): visual tokens selected per round for the drafter's cross-attention
+            (default: the drafter's `config.num_visual_tokens`; 0 turns the visual branch off).
+    """
+
+    block_size: int | None = None
+    top_k: int | None = None
+    n_max: int | None = None
+    verify_cost: bool = True
+    num_visual_tokens: int | None = None
+
+    def device_defaults(self, device):
+        gpu = on_gpu(device)
+        return {"top_k": 4 if gpu else 2, "n_max": 48 if gpu else 16}
+
+    def validate(self):
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"LaSpecConfig.block_size must be >= 1, got {self.block_size}.")
+        if self.top_k < 1 or self.n_max < 1:
+            raise ValueError(f"LaSpecConfig needs top_k >= 1 and n_max >= 1, got {self.top_k}, {self.n_max}.")
+        if self.num_visual_tokens is not None and self.num_visual_tokens < 0:
+            raise ValueError(f"LaSpecConfig.num_visual_tokens must be >= 0, got {self.num_visual_tokens}.")
+
+
+class LaSpecStrategy(Strategy):
+    name = "laspec"
+    config_class = LaSpecConfig
+    requires_block_drafter = True
+
+    def __init__(self, config, batch_size, device):
+        super().__init__(config, batch_size, device)
+        self.nodes_used = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    @property
+    def max_children(self):
+        return self.config.top_k
+
+    def on_root(self, root_logits):
+        self.nodes_used.zero_()
+
+    def select(self, level, frontier, candidate_probs):
+        take = frontier.valid[..., None].expand_as(candidate_probs).clone()
+        # node budget: the highest path probabilities (under sampling: earlier draws of likelier parents, never
+        # a child's own drawn value, which would bias the draws)
+        cum = frontier.cum_probs[..., None] * candidate_probs
+        priority = frontier.cum_probs[..., None].expand_as(cum) if self.sampling else cum
+        left = (self.config.n_max - self.nodes_used).clamp_min(0)
+        order = torch.where(take, priority, -1.0).flatten(1).argsort(dim=-1, descending=True, stable=True)
+        position = torch.empty_like(order)
+        position.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+        take &= (position < left[:, None]).view_as(take)
+        self.nodes_used += take.flatten(1).sum(-1)
+        return take, take

@@ -1,0 +1,190 @@
+"""The `laspec` strategy in the decoding loop: exactness, context bookkeeping, vision, refusals."""
+
+import pytest
+import torch
+
+import hf_adaptive_spec
+from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+from hf_adaptive_spec.drafters import block as block_module
+from hf_adaptive_spec.drafters.laspec import gather_target_hidden
+from tiny_models import build_drafter, build_model, make_inputs
+
+
+def _drafter(target, seed=0, **overrides):
+    torch.manual_seed(seed)
+    config = LaSpecDrafterConfig.for_target(target, **{"block_size": 4, **overrides})
+    return LaSpecDrafterModel(config).eval()
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every BlockDrafter the loop creates, in order (to inspect its state after generate)."""
+    made = []
+
+    class Recording(block_module.BlockDrafter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr("hf_adaptive_spec.loop.BlockDrafter", Recording)
+    return made
+
+
+def _oracle(monkeypatch, continuation, prompt_length, corrupt_every=0):
+    """Make the block drafter propose the plain greedy continuation (optionally wrong at every n-th depth)."""
+
+    def block_logits(self, depth):
+        batch = self.root.shape[0]
+        vocab = self.model.config.vocab_size
+        logits = torch.full((batch, depth, vocab), -10.0)
+        for row in range(batch):
+            start = int(self.generated[row])  # tokens generated so far (the root is the last)
+            for k in range(depth):
+                index = start + k
+                token = int(continuation[row, index]) if index < continuation.shape[1] else 8
+                if corrupt_every and (index % corrupt_every == corrupt_every - 1):
+                    token = 8 + (token + 1) % 100
+                logits[row, k, token] = 10.0
+        return logits
+
+    original_prefill, original_commit = block_module.BlockDrafter.prefill, block_module.BlockDrafter.commit
+
+    def prefill(self, hidden_states, slot_valid, first_token):
+        original_prefill(self, hidden_states, slot_valid, first_token)
+        self.generated = torch.ones(first_token.shape[0], dtype=torch.long)
+
+    def commit(self, tree, hidden_states, path_index, accept_length, bonus):
+        original_commit(self, tree, hidden_states, path_index, accept_length, bonus)
+        self.generated = self.generated + accept_length + 1
+
+    monkeypatch.setattr(block_module.BlockDrafter, "block_logits", block_logits)
+    monkeypatch.setattr(block_module.BlockDrafter, "prefill", prefill)
+    monkeypatch.setattr(block_module.BlockDrafter, "commit", commit)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_laspec_greedy_equals_plain(arch, batch_size):
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=batch_size)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    drafter = _drafter(target)
+    for config in (None, {"verify_cost": False, "top_k": 3, "n_max": 10}):
+        out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                              spec_strategy="laspec", spec_config=config, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert out.spec_stats.rounds >= 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_oracle_block_is_accepted_whole(arch, monkeypatch):
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    prompt_length = inputs["input_ids"].shape[1]
+    expected = target.generate(**inputs, max_new_tokens=31, do_sample=False)
+    _oracle(monkeypatch, expected[:, prompt_length:], prompt_length)
+    out = target.generate(**inputs, max_new_tokens=31, do_sample=False, assistant_model=_drafter(target),
+                          spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 1},
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.mean_accepted_length == pytest.approx(5.0)  # block of 4 + bonus, every round
+
+
+def test_partly_wrong_block_still_exact(monkeypatch):
+    target = build_model("qwen2_vl")
+    inputs = make_inputs("qwen2_vl", batch_size=2)
+    prompt_length = inputs["input_ids"].shape[1]
+    expected = target.generate(**inputs, max_new_tokens=30, do_sample=False)
+    _oracle(monkeypatch, expected[:, prompt_length:], prompt_length, corrupt_every=3)
+    out = target.generate(**inputs, max_new_tokens=30, do_sample=False, assistant_model=_drafter(target),
+                          spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 2},
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert 1.5 < out.spec_stats.mean_accepted_length < 5.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
+def test_drafter_context_equals_recomputation(arch, recorded):
+    """The context the loop accumulated from verification forwards == the target's states recomputed at once."""
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    drafter = _drafter(target)
+    out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 2})
+    state = recorded[-1]
+    full_mask = torch.cat([inputs["attention_mask"], torch.ones_like(out[:, inputs["input_ids"].shape[1]:])], 1)
+    extra = out.shape[1] - inputs["input_ids"].shape[1]
+    full = {**inputs, "input_ids": out, "attention_mask": full_mask}
+    for key in ("mm_token_type_ids", "token_type_ids"):  # text tokens after the prompt
+        if key in inputs:
+            full[key] = torch.cat([inputs[key], inputs[key].new_zeros(inputs[key].shape[0], extra)], 1)
+    with torch.no_grad():
+        reference = target(**full, output_hidden_states=True)
+        fused = gather_target_hidden(reference.hidden_states, drafter.config.target_layer_ids)
+        expected = drafter.encode_context(fused)
+    for row in range(2):
+        got = state.context[row][state.context_valid[row]]
+        positions = state.context_positions[row][state.context_valid[row]]
+        real = full_mask[row].bool()
+        want = expected[row][real][: got.shape[0]]
+        assert positions.tolist() == list(range(got.shape[0]))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # everything but the final bonus token (not yet run by the target) is in the context
+    assert int(state.context_valid.sum(-1).min()) >= out.shape[1] - inputs["input_ids"].shape[1] - 1
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava_onevision"])
+def test_visual_selection_runs_each_round_and_keeps_output(arch, recorded):
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    drafter = _drafter(target, num_visual_tokens=3)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.visual_gate.fill_(0.5)  # a trained gate: the visual branch is live
+    out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    state = recorded[-1]
+    assert state.uses_vision
+    assert state.visual_embeds.shape[:2] == (2, 3) and bool(state.visual_valid.all())
+    assert out.spec_stats.time_visual > 0
+    # an untrained (zero) gate is an exact no-op, so the loop skips selection entirely
+    recorded.clear()
+    out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=_drafter(target),
+                          spec_strategy="laspec", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert not recorded[-1].uses_vision
+
+
+def test_other_strategies_draft_with_a_block_drafter():
+    target = build_model("qwen2")
+    inputs = make_inputs("qwen2", batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    for strategy in ("chain", "static_tree", "sage"):
+        out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=_drafter(target),
+                              spec_strategy=strategy)
+        assert torch.equal(out, expected), strategy
+
+
+def test_laspec_refuses_an_independent_drafter():
+    target = build_model("llama")
+    inputs = make_inputs("llama")
+    with pytest.raises(ValueError, match="LaSpecDrafterModel"):
+        target.generate(**inputs, max_new_tokens=4, assistant_model=build_drafter("llama", target, "small"),
+                        spec_strategy="laspec")
+
+
+def test_laspec_drafter_for_another_vocabulary_is_refused():
+    target = build_model("llama")
+    other = LaSpecDrafterModel(LaSpecDrafterConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                                   vocab_size=64))
+    with pytest.raises(ValueError, match="tokenizer|vocabulary"):
+        target.generate(**make_inputs("llama"), max_new_tokens=4, assistant_model=other, spec_strategy="laspec")
+
+
+def test_laspec_config_validation():
+    with pytest.raises(ValueError, match="top_k"):
+        hf_adaptive_spec.LaSpecConfig(top_k=0).resolve(torch.device("cpu"))
+    resolved = hf_adaptive_spec.LaSpecConfig().resolve(torch.device("cpu"))
+    assert resolved.top_k == 2 and resolved.n_max == 16 and resolved.verify_cost
