@@ -15,6 +15,7 @@ from .drafters.laspec import (
     acceptance_weights,
     register_auto_classes,
 )
+from .drafters.hub import list_drafters, load_drafter, push_drafter_to_hub
 from .drafters.quantize import quantize_drafter
 from .integration import install, is_installed, uninstall
 from .loop import SpecGenerateOutput, SpecStats
@@ -22,6 +23,7 @@ from .vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .strategies import (
     STRATEGIES,
     ChainConfig,
+    LaSpecConfig,
     SageConfig,
     StaticTreeConfig,
     Strategy,
@@ -47,6 +49,7 @@ __all__ = [
     "select_visual_tokens",
     "STRATEGIES",
     "ChainConfig",
+    "LaSpecConfig",
     "SageConfig",
     "SpecGenerateOutput",
     "SpecStats",
@@ -54,6 +57,9 @@ __all__ = [
     "Strategy",
     "StrategyConfig",
     "install",
+    "list_drafters",
+    "load_drafter",
+    "push_drafter_to_hub",
     "quantize_drafter",
     "is_installed",
     "register_strategy",

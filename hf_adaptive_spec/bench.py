@@ -125,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     models.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"registry name (hf_adaptive_spec.models) or local HF folder (default {DEFAULT_TARGET})")
     models.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                        help=f"registry name or local HF folder (default {DEFAULT_DRAFTER})")
+                        help=f"registry name, shipped LaSpec drafter name (e.g. laspec-smollm2-135m-instruct) "
+                        f"or local HF folder (default {DEFAULT_DRAFTER})")
     models.add_argument("--drafter-int8", action="store_true",
                         help="quantize the DRAFTER's Linear layers to dynamic int8 (CPU only); the target is unchanged")
     models.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
@@ -140,8 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     work.add_argument("--max-new-tokens", type=int, default=128, help="(default 128)")
 
     meth = parser.add_argument_group("methods")
-    meth.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="STRATEGY",
-                      help=f"spec_strategy names (default: all registered: {' '.join(STRATEGIES)})")
+    meth.add_argument("--strategies", nargs="+", default=None, metavar="STRATEGY",
+                      help=f"spec_strategy names (default: every registered one the drafter can serve: "
+                      f"{' '.join(STRATEGIES)}; laspec only with a LaSpec drafter)")
     meth.add_argument("--spec-config", action="append", type=_spec_config_arg, default=[],
                       metavar="STRATEGY=JSON", help='spec_config of a strategy, e.g. sage=\'{"n_max": 12}\' '
                       "(repeatable)")
@@ -214,6 +216,8 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
 
     from .strategies import STRATEGIES, resolve_config
 
+    if args.strategies is None:
+        args.strategies = [name for name, cls in STRATEGIES.items() if not cls.requires_block_drafter]
     strategies = list(dict.fromkeys(args.strategies))
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -242,6 +246,35 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
             raise ValueError(f"--spec-config {name}: {exc}") from exc
         methods.append(Method(name, "spec", spec_config=config, resolved=_jsonable(dataclasses.asdict(resolved))))
     return methods
+
+
+def is_laspec_drafter(name: str) -> bool:
+    """True for a shipped LaSpec drafter name or a folder holding one."""
+    from .drafters.hub import SHIPPED_DRAFTERS, is_laspec_folder
+
+    return name in SHIPPED_DRAFTERS or is_laspec_folder(Path(name).expanduser())
+
+
+def _check_drafter_options(args, laspec: bool) -> None:
+    """Fill the default strategy list for the drafter kind; refuse options that cannot apply to it."""
+    from .strategies import STRATEGIES
+
+    if args.strategies is None:
+        args.strategies = [name for name, cls in STRATEGIES.items() if laspec or not cls.requires_block_drafter]
+    if laspec:
+        if args.drafter_int8:
+            raise ValueError("--drafter-int8 quantizes an independent drafter model; a LaSpec drafter is one small "
+                             "forward per round (leave it out).")
+        if not args.no_stock:
+            raise ValueError("stock assisted generation needs an independent HF model as drafter, not a LaSpec "
+                             "drafter: add --no-stock.")
+    else:
+        block_only = [name for name in args.strategies
+                      if name in STRATEGIES and STRATEGIES[name].requires_block_drafter]
+        if block_only:
+            raise ValueError(f"--strategies {block_only} need a LaSpec drafter (e.g. --drafter "
+                             "laspec-smollm2-135m-instruct --target smollm2-135m-instruct); "
+                             f"{args.drafter!r} is an independent model.")
 
 
 def _effective_stock_settings(drafter) -> dict:
@@ -405,6 +438,8 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    laspec = is_laspec_drafter(args.drafter)
+    _check_drafter_options(args, laspec)
     build_methods(args, device)  # validate every option before loading anything
 
     model_loader = model_loader or load_model
@@ -417,7 +452,12 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
 
     load_start = time.perf_counter()
     target, tokenizer = model_loader(args.target, args, "target")
-    drafter, _ = model_loader(args.drafter, args, "drafter")
+    if laspec:  # a LaSpec drafter runs on the target's own states, embedding and LM head
+        from .drafters.hub import load_drafter
+
+        drafter = load_drafter(args.drafter, target)
+    else:
+        drafter, _ = model_loader(args.drafter, args, "drafter")
     if args.drafter_int8:
         drafter = _quantize_int8(drafter)
     load_seconds = time.perf_counter() - load_start

@@ -1,4 +1,4 @@
-"""The `hf-adaptive-spec` command: fetch, demo, generate, bench."""
+"""The `hf-adaptive-spec` command: fetch, demo, generate, bench, train-drafter."""
 
 from __future__ import annotations
 
@@ -67,6 +67,22 @@ def _chat_inputs(processor, prompt: str, image_path: str | None = None, chat: bo
     return tokenizer(prompt, return_tensors="pt")
 
 
+def _is_laspec(name_or_path: str) -> bool:
+    from .drafters.hub import SHIPPED_DRAFTERS, is_laspec_folder
+
+    return name_or_path in SHIPPED_DRAFTERS or is_laspec_folder(Path(name_or_path).expanduser())
+
+
+def load_drafter(name_or_path: str, target, int8: bool, dtype: str = "float32"):
+    """A LaSpec drafter (shipped name or folder; attached to `target`) or an independent HF model."""
+    if _is_laspec(name_or_path):
+        from .drafters.hub import load_drafter as load_laspec
+
+        return load_laspec(name_or_path, target)  # int8 does not apply: one small forward per round
+    drafter, _ = load_model(name_or_path, dtype)
+    return _prepare_drafter(drafter, int8)
+
+
 def _prepare_drafter(drafter, int8: bool):
     if not int8:
         return drafter
@@ -133,8 +149,7 @@ def cmd_demo(args) -> int:
     torch.set_num_threads(args.threads) if args.threads else None
     print(f"target {args.target}, drafter {args.drafter} (int8: {args.drafter_int8}), strategy {args.strategy}")
     target, processor = load_model(args.target)
-    drafter, _ = load_model(args.drafter)
-    drafter = _prepare_drafter(drafter, args.drafter_int8)
+    drafter = load_drafter(args.drafter, target, args.drafter_int8)
     target.generation_config.do_sample = False
     inputs = _chat_inputs(processor, args.prompt)
     print(f"prompt: {args.prompt}\n")
@@ -144,8 +159,7 @@ def cmd_demo(args) -> int:
 
 def cmd_generate(args) -> int:
     target, processor = load_model(args.target, args.dtype)
-    drafter, _ = load_model(args.drafter, args.dtype)
-    drafter = _prepare_drafter(drafter, args.drafter_int8)
+    drafter = load_drafter(args.drafter, target, args.drafter_int8, args.dtype)
     target.generation_config.do_sample = False
     inputs = _chat_inputs(processor, args.prompt, args.image, chat=not args.no_chat_template)
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -193,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_module.add_arguments(bench)
     bench.set_defaults(func=lambda args: bench_module.run(args)["exit_code"])
+
+    from .training import cli as train_cli
+
+    train = sub.add_parser("train-drafter", help="train a LaSpec drafter on data the target makes (accelerate)")
+    train_cli.add_arguments(train)
+    train.set_defaults(func=train_cli.run)
     return parser
 
 

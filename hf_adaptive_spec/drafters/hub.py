@@ -1,0 +1,139 @@
+"""LaSpec drafters as ordinary HF checkpoints: shipped ones by name, model cards, Hub upload.
+
+    from hf_adaptive_spec.drafters.hub import load_drafter
+    drafter = load_drafter("laspec-smollm2-135m-instruct", target)   # shipped in this package, offline
+    drafter = load_drafter("path/to/folder", target)                 # any save_pretrained folder
+    out = target.generate(**inputs, assistant_model=drafter, spec_strategy="laspec")
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .laspec import LaSpecDrafterConfig, LaSpecDrafterModel
+
+__all__ = ["SHIPPED_DRAFTERS", "drafter_path", "is_laspec_folder", "list_drafters", "load_drafter",
+           "push_drafter_to_hub", "write_model_card"]
+
+_CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+
+# name -> (folder inside the package, the registry name of the target it was trained for)
+SHIPPED_DRAFTERS: dict[str, tuple[str, str]] = {
+    "laspec-smollm2-135m-instruct": ("laspec-smollm2-135m-instruct", "smollm2-135m-instruct"),
+}
+
+
+def list_drafters() -> list[str]:
+    """Names of the drafters shipped with the package."""
+    return sorted(SHIPPED_DRAFTERS)
+
+
+def drafter_path(name: str) -> Path:
+    """The folder of a shipped drafter."""
+    if name not in SHIPPED_DRAFTERS:
+        raise KeyError(f"Unknown drafter {name!r}; shipped drafters: {', '.join(list_drafters())}.")
+    path = _CHECKPOINTS / SHIPPED_DRAFTERS[name][0]
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"The shipped drafter {name!r} is missing from {path} (a broken install?).")
+    return path
+
+
+def is_laspec_folder(path) -> bool:
+    config = Path(path) / "config.json"
+    if not config.exists():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == LaSpecDrafterConfig.model_type
+    except (OSError, ValueError):
+        return False
+
+
+def load_drafter(name_or_path, target, dtype=None) -> LaSpecDrafterModel:
+    """A LaSpec drafter from a shipped name or a folder, attached to `target`, in eval mode on its device.
+
+    Raises `ValueError` when the drafter was made for a different vocabulary or hidden size than `target`.
+    """
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        path = drafter_path(str(name_or_path))
+    if not is_laspec_folder(path):
+        raise ValueError(f"{path} is not a LaSpec drafter folder (config.json model_type != 'laspec_drafter').")
+    dtype = dtype or target.dtype
+    model = LaSpecDrafterModel.from_pretrained(path, dtype=dtype)
+    text = target.config.get_text_config()
+    if model.config.vocab_size != text.vocab_size and model.config.vocab_size != target.get_output_embeddings().weight.shape[0]:
+        raise ValueError(f"The drafter at {path} was trained for a {model.config.vocab_size}-token vocabulary; "
+                         f"the target has {text.vocab_size}.")
+    return model.attach_target(target).to(target.device).eval()
+
+
+def write_model_card(folder, info: dict) -> Path:
+    """README.md for a drafter folder: target, data, training settings, measured acceptance."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    train = info.get("train_config", {})
+    evals = info.get("evals", [])
+    last = evals[-1] if evals else {}
+    lines = [
+        "---",
+        "library_name: hf_adaptive_spec",
+        "tags: [speculative-decoding, laspec, drafter]",
+        f"base_model: {info.get('target_hub_id') or info.get('target', '')}",
+        "---",
+        "",
+        f"# LaSpec drafter for {info.get('target', 'its target')}",
+        "",
+        "A block-parallel LaSpec drafter (`hf_adaptive_spec.LaSpecDrafterModel`): one forward proposes "
+        f"{config.get('block_size')} tokens from the target's own hidden states (layers "
+        f"{config.get('target_layer_ids')}); the target's embedding and LM head are used at run time and are "
+        "not stored here. Speculative decoding with it is exact: greedy output equals the target's own.",
+        "",
+        "```python",
+        "import hf_adaptive_spec",
+        "from hf_adaptive_spec.drafters.hub import load_drafter",
+        "drafter = load_drafter(\"<this folder or shipped name>\", target)",
+        "out = target.generate(**inputs, assistant_model=drafter, spec_strategy=\"laspec\")",
+        "```",
+        "",
+        "## Training",
+        f"- target: `{info.get('target', '')}`",
+        f"- data: {info.get('data_description', '')}",
+        f"- examples: {info.get('num_train_examples', '?')} training sequences ({info.get('num_train_tokens', '?')} "
+        f"tokens), {info.get('num_eval_examples', '?')} held-out sequences",
+        f"- loss: `{train.get('loss')}` (acceptance-aware = cross-entropy weighted by the chance each block "
+        "position is reached; ce = plain cross-entropy)",
+        f"- steps {train.get('steps')}, learning rate {train.get('learning_rate')}, {train.get('batch_sequences')} "
+        f"sequences x {train.get('anchors')} anchors per step, seed {train.get('seed')}",
+        f"- drafter: {config.get('num_hidden_layers')} layer(s), hidden {config.get('hidden_size')}, "
+        f"{info.get('num_parameters', '?')} parameters, block {config.get('block_size')}",
+        f"- training time: {info.get('train_seconds', 0):.0f} s on {info.get('device', '?')}",
+        "",
+        "## Measured",
+    ]
+    if last:
+        lines.append(f"- held-out teacher-forced chain acceptance: {last['accepted']:.3f} tokens per block "
+                     f"(tau_chain {last['tau_chain']:.3f}); per-position top-1 "
+                     f"{[round(x, 3) for x in last['top1']]}")
+    for row in info.get("generate_eval", []):
+        lines.append(f"- `generate(spec_strategy=\"laspec\")` on {row['prompt']}: tau {row['tau']:.2f}, "
+                     f"{row['speedup']:.2f}x over plain greedy (same output: {row['same']})")
+    lines.append("")
+    path = folder / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def push_drafter_to_hub(folder, repo_id: str, token: str | None = None, private: bool = False) -> str:
+    """Upload a drafter folder (weights, config, model card) to the Hub; returns the repo URL."""
+    from huggingface_hub import HfApi
+
+    folder = Path(folder)
+    if not is_laspec_folder(folder):
+        raise ValueError(f"{folder} is not a LaSpec drafter folder.")
+    api = HfApi(token=token)
+    url = api.create_repo(repo_id, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id=repo_id, allow_patterns=["*.json", "*.safetensors", "*.md"])
+    return str(url)

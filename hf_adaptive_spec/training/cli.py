@@ -1,0 +1,184 @@
+"""`hf-adaptive-spec train-drafter`: make data with the target, train a LaSpec drafter, save it as an HF folder.
+
+    hf-adaptive-spec train-drafter --target smollm2-135m-instruct --out drafters/smollm2 \\
+        --data "humaneval[24:]" "mtbench[24:]" --steps 600
+
+Runs on one CPU as is, or on several GPUs with `accelerate launch -m hf_adaptive_spec.cli train-drafter ...`.
+Data prompts are given as `DATASET[START:END]` slices of the order `hf_adaptive_spec.data.load_prompts` uses
+(the bench runs the FIRST prompts of each set, so `[24:]` keeps `bench --limit 24` and below out of training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+import torch
+
+_SLICE = re.compile(r"^(?P<name>[a-z_]+)(\[(?P<start>-?\d*):(?P<end>-?\d*)\])?$")
+
+
+def parse_data_spec(text: str) -> tuple[str, slice]:
+    """`"humaneval[24:]"` -> `("humaneval", slice(24, None))`; a bare name takes the whole set."""
+    match = _SLICE.match(text.strip())
+    if not match:
+        raise ValueError(f"--data {text!r}: expected DATASET or DATASET[START:END], e.g. 'mtbench[24:]'.")
+    start, end = match.group("start"), match.group("end")
+    return match.group("name"), slice(int(start) if start else None, int(end) if end else None)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--target", required=True, help="registry name or local HF folder of the target")
+    parser.add_argument("--out", required=True, help="output folder (checkpoints, final drafter, model card)")
+    parser.add_argument("--data", nargs="+", default=["humaneval[24:]", "mtbench[24:]"],
+                        help="prompt sets as DATASET[START:END] (default: humaneval[24:] mtbench[24:])")
+    parser.add_argument("--data-cache", default=None, help="reuse / store the target-made examples in this file")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="target answer length per prompt")
+    parser.add_argument("--eval-fraction", type=float, default=0.1, help="held-out share of the sequences")
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=1, help="drafter decoder layers (1-2)")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-sequences", type=int, default=4)
+    parser.add_argument("--anchors", type=int, default=32)
+    parser.add_argument("--loss", choices=["acceptance", "ce"], default="acceptance")
+    parser.add_argument("--checkpoint-every", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--eval-generate", type=int, default=0,
+                        help="after training, run generate(spec_strategy='laspec') on N held-out prompts")
+    parser.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="dtype of the saved weights (they load in the target's dtype)")
+    parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the final folder")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _load_target(name: str):
+    from ..cli import load_model
+
+    model, processor = load_model(name)
+    return model, getattr(processor, "tokenizer", processor)
+
+
+def _prompts(specs: list) -> list:
+    from ..data import load_prompts
+
+    prompts = []
+    for spec in specs:
+        name, part = parse_data_spec(spec)
+        prompts.extend(load_prompts(name)[part])
+    if not prompts:
+        raise ValueError(f"--data {specs} selects no prompts.")
+    return prompts
+
+
+def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> list:
+    from ..bench import encode_prompt
+
+    rows = []
+    for prompt in prompts:
+        inputs = encode_prompt(tokenizer, prompt.messages, target.device)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        target.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=pad)
+        start = time.perf_counter()
+        plain = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        plain_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                              assistant_model=drafter, spec_strategy="laspec", return_dict_in_generate=True)
+        seconds = time.perf_counter() - start
+        rows.append({"prompt": prompt.id, "tau": out.spec_stats.mean_accepted_length,
+                     "speedup": plain_seconds / seconds, "same": bool(torch.equal(plain, out.sequences))})
+    return rows
+
+
+def run(args) -> int:
+    from accelerate import Accelerator
+
+    from .. import LaSpecDrafterConfig, LaSpecDrafterModel
+    from ..drafters.hub import push_drafter_to_hub, write_model_card
+    from .data import build_examples, load_examples, save_examples
+    from .trainer import TrainConfig, train_drafter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not 0.0 <= args.eval_fraction < 1.0:
+        raise SystemExit("--eval-fraction must lie in [0, 1).")
+    config = TrainConfig(steps=args.steps, learning_rate=args.lr, batch_sequences=args.batch_sequences,
+                         anchors=args.anchors, loss=args.loss, checkpoint_every=args.checkpoint_every,
+                         eval_every=args.eval_every, seed=args.seed)
+    accelerator = Accelerator()
+    out = Path(args.out)
+    torch.manual_seed(args.seed)
+    target, tokenizer = _load_target(args.target)
+    target = target.to(accelerator.device).eval().requires_grad_(False)
+    drafter_config = LaSpecDrafterConfig.for_target(target, block_size=args.block_size,
+                                                    num_hidden_layers=args.layers,
+                                                    target_model_name=args.target)
+    prompts = _prompts(args.data)
+    cache = Path(args.data_cache) if args.data_cache else None
+    if cache is not None and cache.exists():
+        examples = load_examples(cache)
+        print(f"loaded {len(examples)} examples from {cache}")
+    else:
+        examples = build_examples(target, tokenizer, drafter_config.target_layer_ids, prompts=prompts,
+                                  max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
+        if cache is not None and accelerator.is_main_process:
+            save_examples(examples, cache)
+    order = list(range(len(examples)))
+    random.Random(args.seed).shuffle(order)
+    num_eval = int(round(len(examples) * args.eval_fraction))
+    eval_ids = set(order[:num_eval])
+    eval_examples = [examples[i] for i in sorted(eval_ids)]
+    train_examples = [examples[i] for i in order[num_eval:]]
+
+    drafter = LaSpecDrafterModel(drafter_config).to(accelerator.device).attach_target(target)
+    started = time.perf_counter()
+    result = train_drafter(drafter, train_examples, eval_examples, config, out_dir=out, resume=args.resume,
+                           accelerator=accelerator, progress=not args.no_progress)
+    train_seconds = time.perf_counter() - started
+    drafter = accelerator.unwrap_model(drafter)
+    if not accelerator.is_main_process:
+        return 0
+    drafter.eval()
+    generate_eval = []
+    if args.eval_generate:
+        held_out = {examples[i].source for i in eval_ids}
+        chosen = [p for p in prompts if p.id in held_out][: args.eval_generate]
+        generate_eval = _generate_eval(target, tokenizer, drafter, chosen, args.max_new_tokens)
+    save_dtype = getattr(torch, args.save_dtype)
+    drafter.to(save_dtype).save_pretrained(out)
+    drafter.to(target.dtype)
+    info = {
+        "target": args.target,
+        "data_description": f"the target's greedy answers ({args.max_new_tokens} tokens max) to the prompts "
+                            f"{' '.join(args.data)} (hf_adaptive_spec.data order), teacher-forced",
+        "num_train_examples": len(train_examples),
+        "num_train_tokens": sum(len(e) for e in train_examples),
+        "num_eval_examples": len(eval_examples),
+        "train_config": result["config"],
+        "evals": result["evals"],
+        "num_parameters": sum(p.numel() for p in drafter.parameters()),
+        "train_seconds": train_seconds,
+        "device": str(accelerator.device),
+        "generate_eval": generate_eval,
+        "train_prompt_ids": sorted({e.source for e in train_examples}),
+        "eval_prompt_ids": sorted({e.source for e in eval_examples}),
+    }
+    (out / "training_log.json").write_text(json.dumps({**info, "history": result["history"]}, indent=1))
+    write_model_card(out, info)
+    print(f"saved the drafter to {out}")
+    if result["evals"]:
+        print(f"held-out tau_chain {result['evals'][-1]['tau_chain']:.3f}")
+    for row in generate_eval:
+        print(f"{row['prompt']}: tau {row['tau']:.2f}, {row['speedup']:.2f}x, same output {row['same']}")
+    if args.push_to_hub:
+        print(push_drafter_to_hub(out, args.push_to_hub))
+    return 0

@@ -1,0 +1,124 @@
+"""Training data for a LaSpec drafter, made by the target itself (teacher forcing).
+
+An example is one token sequence with, per position t:
+
+* `hidden`: the target's hidden states after the drafter's `target_layer_ids`, concatenated (fp16 on disk);
+* `labels`: the target's greedy next token after position t given the true prefix (its argmax);
+* `on_policy`: True where the sequence's token at t + 1 IS that greedy token.
+
+Sequences come from the target's own greedy generations on chat prompts (fully on-policy after the prompt:
+what the drafter sees at decoding time), and optionally from plain real text (teacher-forced labels only).
+A block anchored at p trains position k only while the tokens p+1..p+k are the target's own greedy tokens
+(`on_policy`), because at decoding time the drafter's k-th guess continues an accepted, i.e. greedy, prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..drafters.laspec import gather_target_hidden
+
+__all__ = ["DrafterExample", "build_examples", "examples_from_sequences", "load_examples", "save_examples"]
+
+
+@dataclass
+class DrafterExample:
+    """One training sequence (all tensors on the CPU; L = sequence length)."""
+
+    input_ids: torch.Tensor  # (L,) long
+    hidden: torch.Tensor  # (L, F) fp16
+    labels: torch.Tensor  # (L,) long: target argmax after each position
+    on_policy: torch.Tensor  # (L,) bool: input_ids[t + 1] == labels[t] (False at the last position)
+    source: str = ""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@torch.no_grad()
+def examples_from_sequences(target, sequences: list, layer_ids: list, sources: list | None = None) -> list:
+    """Teacher-force the target over each `(L,)` token sequence: its fused hidden states, greedy labels and
+    on-policy flags ([`DrafterExample`])."""
+    sources = sources if sources is not None else [""] * len(sequences)
+    device = target.device
+    examples = []
+    for ids, source in zip(sequences, sources):
+        out = target(input_ids=ids[None].to(device), output_hidden_states=True, use_cache=False)
+        hidden = gather_target_hidden(out.hidden_states, layer_ids)[0].to("cpu", torch.float16)
+        labels = out.logits[0].argmax(-1).cpu()
+        ids = ids.cpu()
+        on_policy = torch.zeros_like(ids, dtype=torch.bool)
+        on_policy[:-1] = ids[1:] == labels[:-1]
+        examples.append(DrafterExample(ids, hidden, labels, on_policy, source))
+    return examples
+
+
+@torch.no_grad()
+def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=(), max_new_tokens: int = 128,
+                   batch_size: int = 8, max_text_tokens: int = 256, progress: bool = True) -> list:
+    """Examples from the target's greedy answers to `prompts` and from plain `texts`.
+
+    Args:
+        target: the verifier (causal LM; eval mode).
+        tokenizer: its tokenizer (a chat template is used when it has one).
+        layer_ids (`list[int]`): target layers the drafter reads (`config.target_layer_ids`).
+        prompts: chat prompts (`hf_adaptive_spec.data.Prompt` or a list of messages); the target answers each
+            greedily with up to `max_new_tokens` tokens, `batch_size` prompts at a time.
+        texts: plain strings, cut to `max_text_tokens` tokens, teacher-forced only.
+
+    Returns:
+        list of [`DrafterExample`].
+    """
+    from tqdm.auto import tqdm
+
+    sequences, sources = [], []
+    prompts = list(prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    bar = tqdm(total=len(prompts) + len(texts), desc="target data", disable=not progress)
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        encoded = []
+        for prompt in chunk:
+            messages = getattr(prompt, "messages", prompt)
+            if getattr(tokenizer, "chat_template", None):
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+            else:
+                ids = tokenizer(messages[-1]["content"])["input_ids"]
+            encoded.append(torch.tensor(ids, dtype=torch.long))
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(encoded):  # left padding
+            input_ids[row, width - len(ids):] = ids
+            attention_mask[row, width - len(ids):] = 1
+        out = target.generate(input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
+                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        for row, (prompt, ids) in enumerate(zip(chunk, encoded)):
+            answer = out[row, width:].cpu()
+            eos = tokenizer.eos_token_id
+            if eos is not None and (answer == eos).any():
+                answer = answer[: int((answer == eos).nonzero()[0]) + 1]
+            sequences.append(torch.cat([ids, answer]))
+            sources.append(getattr(prompt, "id", "prompt"))
+        bar.update(len(chunk))
+    for i, text in enumerate(texts):
+        ids = tokenizer(text)["input_ids"][:max_text_tokens]
+        if len(ids) >= 8:
+            sequences.append(torch.tensor(ids, dtype=torch.long))
+            sources.append(f"text/{i}")
+        bar.update(1)
+    bar.close()
+    return examples_from_sequences(target, sequences, list(layer_ids), sources)
+
+
+def save_examples(examples: list, path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save([vars(example) for example in examples], path)
+
+
+def load_examples(path) -> list:
+    return [DrafterExample(**fields) for fields in torch.load(Path(path), weights_only=True)]

@@ -1,0 +1,241 @@
+"""Training a LaSpec drafter on target-made data (`training.data`), with accelerate.
+
+Each step takes `batch_sequences` sequences and `anchors` random block anchors in each; all blocks of a
+sequence run in ONE drafter forward (`forward_block(..., block_length=B)`: a block sees the target states
+before its anchor, and itself causally). The loss is the acceptance-aware cross-entropy of PAPERS.md section 2
+(`loss="acceptance"`) or plain cross-entropy (`loss="ce"`), over block positions whose prefix is the target's
+own greedy continuation.
+
+The same code runs on one CPU or under `accelerate launch` on several GPUs (the drafter and optimizer go
+through `Accelerator.prepare`; the frozen target stays outside it, on each process's device).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.laspec import LaSpecDrafterModel, acceptance_aware_loss, accept_probs_from
+
+__all__ = ["TrainConfig", "make_batch", "evaluate_acceptance", "train_drafter"]
+
+LOSSES = ("acceptance", "ce")
+
+
+@dataclass
+class TrainConfig:
+    """Training settings.
+
+    Args:
+        steps (`int`): optimizer steps (600).
+        learning_rate (`float`): AdamW peak rate, linear warm-up over 5% of the steps, cosine decay (1e-3).
+        weight_decay (`float`): AdamW weight decay (0.0).
+        batch_sequences (`int`): sequences per step (4).
+        anchors (`int`): block anchors per sequence (32).
+        loss (`str`): "acceptance" (acceptance-aware) or "ce" (plain cross-entropy).
+        checkpoint_every (`int`): save a resumable checkpoint every N steps (0: only at the end) (200).
+        eval_every (`int`): held-out acceptance every N steps (0: only at the end) (100).
+        seed (`int`): data order and initialisation (0).
+        max_grad_norm (`float`): gradient clipping (1.0).
+    """
+
+    steps: int = 600
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    batch_sequences: int = 4
+    anchors: int = 32
+    loss: str = "acceptance"
+    checkpoint_every: int = 200
+    eval_every: int = 100
+    seed: int = 0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"TrainConfig.loss must be one of {LOSSES}, got {self.loss!r}.")
+        if self.steps < 1 or self.batch_sequences < 1 or self.anchors < 1:
+            raise ValueError("TrainConfig needs steps, batch_sequences and anchors >= 1.")
+
+
+def make_batch(examples: list, block_size: int, anchors: int, generator: random.Random, device) -> dict:
+    """Tensors for one step: `examples` padded to one length, `anchors` blocks per sequence.
+
+    Returns a dict with `input_ids` `(R, A * B)`, `position_ids` `(R, A * B)`, `context` hidden `(R, L, F)`,
+    `context_mask` `(R, L)`, `labels` `(R, A, B)` (-100 = not trained).
+    """
+    length = max(len(example) for example in examples)
+    rows = len(examples)
+    feature = examples[0].hidden.shape[-1]
+    hidden = torch.zeros(rows, length, feature, dtype=torch.float32)
+    context_mask = torch.zeros(rows, length, dtype=torch.bool)
+    input_ids = torch.zeros(rows, anchors * block_size, dtype=torch.long)
+    position_ids = torch.zeros(rows, anchors * block_size, dtype=torch.long)
+    labels = torch.full((rows, anchors, block_size), -100, dtype=torch.long)
+    offsets = torch.arange(block_size)
+    for row, example in enumerate(examples):
+        n = len(example)
+        hidden[row, :n] = example.hidden.float()
+        context_mask[row, :n] = True
+        starts = [generator.randrange(1, n) for _ in range(anchors)] if n > 1 else [0] * anchors
+        for a, p in enumerate(starts):
+            cols = slice(a * block_size, (a + 1) * block_size)
+            input_ids[row, a * block_size] = example.input_ids[p]
+            position_ids[row, cols] = p + offsets
+            # position k predicts the token after p + k; trained while p+1..p+k are the target's greedy tokens
+            for k in range(block_size):
+                t = p + k
+                if t >= n or (k > 0 and not bool(example.on_policy[t - 1])):
+                    break
+                labels[row, a, k] = example.labels[t]
+    return {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "context": hidden.to(device),
+            "context_mask": context_mask.to(device), "labels": labels.to(device)}
+
+
+def _forward(drafter, batch: dict, block_size: int) -> torch.Tensor:
+    """Logits `(R, A, B, V)`."""
+    model = drafter.module if hasattr(drafter, "module") else drafter
+    context = model.encode_context(batch["context"])
+    out = model.forward_block(batch["input_ids"], context, context_mask=batch["context_mask"],
+                              position_ids=batch["position_ids"], block_length=block_size)
+    rows, _, vocab = out.logits.shape
+    return out.logits.view(rows, -1, block_size, vocab)
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, logits.shape[-2], vocab)  # (R * A, B, V)
+    flat_labels = labels.reshape(-1, labels.shape[-1])
+    if kind == "ce":
+        return F.cross_entropy(flat_logits.float().transpose(1, 2), flat_labels, ignore_index=-100)
+    accept = accept_probs_from(flat_logits, flat_labels, greedy=True)
+    return acceptance_aware_loss(flat_logits, flat_labels, accept)
+
+
+@torch.no_grad()
+def evaluate_acceptance(drafter, examples: list, block_size: int, anchors: int = 64, seed: int = 1234,
+                        device=None) -> dict:
+    """Held-out greedy acceptance of the drafter's chain, teacher-forced.
+
+    For random anchors, the number of leading block positions whose argmax equals the target's greedy token
+    (positions without a label end the count). Returns `{"accepted": mean accepted per block,
+    "tau_chain": 1 + accepted, "top1": per-position accuracy list}`.
+    """
+    model = drafter.module if hasattr(drafter, "module") else drafter
+    was_training = model.training
+    model.eval()
+    device = device or model.device
+    generator = random.Random(seed)
+    total, count = 0.0, 0
+    hits = torch.zeros(block_size)
+    seen = torch.zeros(block_size)
+    for start in range(0, len(examples), 4):
+        batch = make_batch(examples[start : start + 4], block_size, anchors, generator, device)
+        logits = _forward(model, batch, block_size)
+        labels = batch["labels"]
+        right = (logits.argmax(-1) == labels) & (labels != -100)  # (R, A, B)
+        total += float(right.long().cumprod(-1).sum(-1).float().sum())
+        count += labels.shape[0] * labels.shape[1]
+        hits += right.sum((0, 1)).float().cpu()
+        seen += (labels != -100).sum((0, 1)).float().cpu()
+    model.train(was_training)
+    accepted = total / max(count, 1)
+    return {"accepted": accepted, "tau_chain": 1.0 + accepted, "top1": (hits / seen.clamp_min(1)).tolist()}
+
+
+def _latest_checkpoint(out_dir: Path):
+    checkpoints = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    return checkpoints[-1] if checkpoints else None
+
+
+def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_examples: list, config: TrainConfig,
+                  out_dir=None, resume: bool = False, accelerator=None, progress: bool = True, log=print) -> dict:
+    """Train `drafter` (attached to its target) in place; returns the history.
+
+    Args:
+        drafter ([`LaSpecDrafterModel`]): attached to the target (`attach_target`).
+        train_examples, eval_examples: [`DrafterExample`] lists.
+        config ([`TrainConfig`]).
+        out_dir (path, *optional*): where checkpoints (`checkpoint-N/`) and the final model go.
+        resume (`bool`): continue from the latest checkpoint in `out_dir`.
+        accelerator (`accelerate.Accelerator`, *optional*): created if not given.
+
+    Returns:
+        dict with `history` (step, loss, seconds) and `evals` (step, accepted, tau_chain, top1).
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    if not train_examples:
+        raise ValueError("train_drafter needs at least one training example.")
+    if not drafter.has_target:
+        raise ValueError("Attach the drafter to its target first: drafter.attach_target(target).")
+    accelerator = accelerator or Accelerator()
+    block_size = drafter.config.block_size
+    torch.manual_seed(config.seed)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate,
+                                  weight_decay=config.weight_decay)
+    warmup = max(1, config.steps // 20)
+
+    def rate(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, config.steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    model, optimizer = accelerator.prepare(drafter, optimizer)
+    out_dir = Path(out_dir) if out_dir is not None else None
+    start_step, history, evals = 0, [], []
+    if resume and out_dir is not None and (checkpoint := _latest_checkpoint(out_dir)) is not None:
+        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+        accelerator.unwrap_model(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, history, evals = state["step"], state["history"], state["evals"]
+        random_state = state["random"]
+        log(f"resumed from {checkpoint} at step {start_step}")
+    else:
+        random_state = None
+    generator = random.Random(config.seed * 1000 + accelerator.process_index)
+    if random_state is not None:
+        generator.setstate(random_state)
+
+    model.train()
+    bar = tqdm(range(start_step, config.steps), desc=f"train ({config.loss})", disable=not progress,
+               initial=start_step, total=config.steps)
+    started = time.perf_counter()
+    for step in bar:
+        chosen = [train_examples[generator.randrange(len(train_examples))] for _ in range(config.batch_sequences)]
+        batch = make_batch(chosen, block_size, config.anchors, generator, accelerator.device)
+        logits = _forward(model, batch, block_size)
+        loss = _loss(logits, batch["labels"], config.loss)
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        if config.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        history.append({"step": step + 1, "loss": loss.item(), "seconds": time.perf_counter() - started})
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        done = step + 1
+        if eval_examples and (done == config.steps or (config.eval_every and done % config.eval_every == 0)):
+            result = evaluate_acceptance(model, eval_examples, block_size, device=accelerator.device)
+            evals.append({"step": done, **result})
+            log(f"step {done}: loss {loss.item():.3f}, held-out tau_chain {result['tau_chain']:.3f}")
+        if out_dir is not None and accelerator.is_main_process and (
+                done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
+            checkpoint = out_dir / f"checkpoint-{done}"
+            checkpoint.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "step": done, "history": history, "evals": evals,
+                        "random": generator.getstate(), "config": asdict(config)}, checkpoint / "training_state.pt")
+            (checkpoint / "progress.json").write_text(json.dumps({"step": done, "evals": evals}, indent=1))
+    bar.close()
+    model.eval()
+    return {"history": history, "evals": evals, "config": asdict(config)}

@@ -1,0 +1,188 @@
+"""Drafter training: target-made data, multi-block batches, losses, checkpoints/resume, Hub folders, CLI parsing."""
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel, load_drafter, push_drafter_to_hub
+from hf_adaptive_spec.drafters import hub
+from hf_adaptive_spec.training import TrainConfig, evaluate_acceptance, make_batch, train_drafter
+from hf_adaptive_spec.training.cli import parse_data_spec
+from hf_adaptive_spec.training.data import examples_from_sequences, load_examples, save_examples
+from tiny_models import build_model
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    target = build_model("llama").requires_grad_(False)
+    prompts = torch.randint(8, 128, (10, 5), generator=torch.Generator().manual_seed(0))
+    sequences = target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=24,
+                                do_sample=False)
+    config = LaSpecDrafterConfig.for_target(target, block_size=3)
+    examples = examples_from_sequences(target, list(sequences), config.target_layer_ids)
+    return target, config, examples
+
+
+def _fresh(setup, seed=0):
+    target, config, _ = setup
+    torch.manual_seed(seed)
+    return LaSpecDrafterModel(config).attach_target(target)
+
+
+def test_examples_hold_the_targets_states_and_greedy_labels(setup):
+    target, config, examples = setup
+    example = examples[0]
+    assert example.hidden.dtype == torch.float16
+    assert example.hidden.shape == (len(example), len(config.target_layer_ids) * config.target_hidden_size)
+    # generated part: every next token is the target's greedy choice
+    assert bool(example.on_policy[5:-1].all())
+    assert not bool(example.on_policy[-1])
+    with torch.no_grad():
+        logits = target(example.input_ids[None]).logits[0]
+    assert torch.equal(example.labels, logits.argmax(-1))
+
+
+def test_save_and_load_examples(setup, tmp_path):
+    _, _, examples = setup
+    save_examples(examples[:2], tmp_path / "data.pt")
+    loaded = load_examples(tmp_path / "data.pt")
+    assert len(loaded) == 2 and torch.equal(loaded[1].hidden, examples[1].hidden)
+
+
+def test_make_batch_trains_only_on_policy_prefixes(setup):
+    _, _, examples = setup
+    example = examples[0]
+    example = type(example)(example.input_ids, example.hidden, example.labels, example.on_policy.clone())
+    example.on_policy[10] = False  # token 11 is not the target's greedy choice after position 10
+    batch = make_batch([example], block_size=3, anchors=40, generator=random.Random(0), device="cpu")
+    positions = batch["position_ids"].view(40, 3)[:, 0]
+    labels = batch["labels"][0]
+    for anchor, row in zip(positions.tolist(), labels):
+        for k in range(3):
+            t = anchor + k
+            broken = t >= len(example) or any(not bool(example.on_policy[j]) for j in range(anchor, t))
+            if broken:
+                assert row[k] == -100
+            else:
+                assert row[k] == example.labels[t]
+
+
+def test_all_blocks_in_one_row_equal_separate_calls(setup):
+    _, config, examples = setup
+    drafter = _fresh(setup).eval()
+    batch = make_batch(examples[:2], block_size=3, anchors=5, generator=random.Random(1), device="cpu")
+    with torch.no_grad():
+        context = drafter.encode_context(batch["context"])
+        joint = drafter.forward_block(batch["input_ids"], context, context_mask=batch["context_mask"],
+                                      position_ids=batch["position_ids"], block_length=3).logits
+        for a in range(5):
+            cols = slice(3 * a, 3 * a + 3)
+            single = drafter.forward_block(batch["input_ids"][:, cols], context, context_mask=batch["context_mask"],
+                                           position_ids=batch["position_ids"][:, cols]).logits
+            torch.testing.assert_close(joint[:, cols], single, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["acceptance", "ce"])
+def test_training_lowers_loss_and_raises_acceptance(setup, loss):
+    _, _, examples = setup
+    drafter = _fresh(setup)
+    before = evaluate_acceptance(drafter, examples, 3)
+    result = train_drafter(drafter, examples, examples, TrainConfig(steps=60, learning_rate=1e-2, loss=loss,
+                                                                     eval_every=0, batch_sequences=4, anchors=16),
+                           progress=False, log=lambda *a: None)
+    losses = [row["loss"] for row in result["history"]]
+    assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10
+    after = result["evals"][-1]
+    assert after["accepted"] > before["accepted"] + 0.1
+
+
+def test_checkpoint_resume_matches_an_uninterrupted_run(setup, tmp_path):
+    _, _, examples = setup
+    config = TrainConfig(steps=8, checkpoint_every=4, eval_every=0, batch_sequences=2, anchors=4)
+    straight = _fresh(setup)
+    train_drafter(straight, examples, [], config, out_dir=tmp_path / "a", progress=False)
+    first = _fresh(setup)
+    train_drafter(first, examples, [], TrainConfig(**{**vars(config), "steps": 8}), out_dir=tmp_path / "b",
+                  progress=False)
+    # simulate an interruption after step 4: drop the final checkpoint, resume into a fresh model
+    import shutil
+
+    shutil.rmtree(tmp_path / "b" / "checkpoint-8")
+    resumed = _fresh(setup, seed=99)
+    logs = []
+    train_drafter(resumed, examples, [], config, out_dir=tmp_path / "b", resume=True, progress=False,
+                  log=logs.append)
+    assert any("checkpoint-4" in line for line in logs)
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_train_config_validation():
+    with pytest.raises(ValueError, match="loss"):
+        TrainConfig(loss="mse")
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+
+
+def test_folder_round_trip_model_card_and_hub_upload(setup, tmp_path, monkeypatch):
+    target, _, examples = setup
+    drafter = _fresh(setup)
+    drafter.save_pretrained(tmp_path)
+    info = {"target": "tiny-llama", "train_config": vars(TrainConfig()), "evals": [
+        {"step": 1, "accepted": 0.5, "tau_chain": 1.5, "top1": [0.5, 0.2, 0.1]}], "generate_eval": [
+        {"prompt": "HumanEval/30", "tau": 2.6, "speedup": 1.7, "same": True}], "num_parameters": 123}
+    card = hub.write_model_card(tmp_path, info).read_text()
+    assert "tiny-llama" in card and "tau_chain 1.500" in card and "HumanEval/30: tau 2.60, 1.70x" in card
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.has_target
+    for a, b in zip(drafter.state_dict().values(), loaded.state_dict().values()):
+        assert torch.equal(a, b)
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, private=False, exist_ok=False):
+            calls.append(("create", repo_id))
+            return f"https://huggingface.co/{repo_id}"
+
+        def upload_folder(self, folder_path, repo_id, allow_patterns=None):
+            calls.append(("upload", sorted(p.name for p in __import__("pathlib").Path(folder_path).iterdir())))
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
+    assert push_drafter_to_hub(tmp_path, "me/drafter", token="t") == "https://huggingface.co/me/drafter"
+    assert ("create", "me/drafter") in calls
+    assert "README.md" in calls[-1][1] and "model.safetensors" in calls[-1][1]
+    with pytest.raises(ValueError, match="not a LaSpec"):
+        push_drafter_to_hub(tmp_path / "nowhere", "me/x")
+
+
+def test_load_drafter_errors(setup, tmp_path):
+    target, _, _ = setup
+    with pytest.raises(KeyError, match="Unknown drafter"):
+        load_drafter("no-such-drafter", target)
+    other = LaSpecDrafterModel(LaSpecDrafterConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                                   vocab_size=64))
+    other.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        load_drafter(tmp_path, target)
+
+
+@pytest.mark.parametrize("text,name,part", [
+    ("humaneval", "humaneval", slice(None, None)),
+    ("mtbench[24:]", "mtbench", slice(24, None)),
+    ("humaneval[:10]", "humaneval", slice(None, 10)),
+    ("humaneval[5:-3]", "humaneval", slice(5, -3)),
+])
+def test_parse_data_spec(text, name, part):
+    assert parse_data_spec(text) == (name, part)
+
+
+def test_parse_data_spec_rejects_garbage():
+    with pytest.raises(ValueError, match="DATASET"):
+        parse_data_spec("humaneval[1]")
