@@ -118,21 +118,23 @@ def measure_verifier_cost(runner, sizes=DEFAULT_SIZES, repeats: int = 3) -> Cost
     """
     batch = runner.slot_valid.shape[0]
     device = runner.slot_valid.device
-    seconds = []
     keep_none = torch.zeros(batch, 0, dtype=torch.long, device=device)
-    for n in sizes:
-        tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
-        parents = (torch.arange(n, device=device) - 1).expand(batch, n)
-        valid = torch.ones(batch, n, dtype=torch.bool, device=device)
-        times = []
-        for rep in range(repeats + (1 if n == sizes[0] else 0)):
+    times = {n: [] for n in sizes}
+    # sweep the sizes `repeats` times (plus one warm-up sweep) instead of timing each size in a burst: a
+    # transient slowdown of a shared machine then hits every size alike instead of inflating one of them
+    for sweep in range(repeats + 1):
+        for n in sizes:
+            tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
+            parents = (torch.arange(n, device=device) - 1).expand(batch, n)
+            valid = torch.ones(batch, n, dtype=torch.bool, device=device)
             _sync(device)
             start = time.perf_counter()
             runner.forward(tokens, parents, valid)
             _sync(device)
-            times.append(time.perf_counter() - start)
+            if sweep:
+                times[n].append(time.perf_counter() - start)
             runner.commit(keep_none, keep_none.bool())
-        seconds.append(statistics.median(times[-repeats:]))
+    seconds = [statistics.median(times[n]) for n in sizes]
     # kept as measured, not made monotone: on a CPU 16 tokens can really cost less than 12 (GEMM tiling)
     return CostProfile(sizes=list(sizes), seconds=seconds)
 

@@ -186,3 +186,32 @@ def test_parse_data_spec(text, name, part):
 def test_parse_data_spec_rejects_garbage():
     with pytest.raises(ValueError, match="DATASET"):
         parse_data_spec("humaneval[1]")
+
+
+class _CharTokenizer:
+    chat_template = None
+    pad_token_id = 0
+    eos_token_id = None
+
+    def __call__(self, text):
+        return {"input_ids": [8 + ord(c) % 100 for c in text]}
+
+
+def test_build_examples_with_sampled_answers(setup):
+    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.training.data import build_examples
+
+    target, config, _ = setup
+    prompts = [Prompt(f"p/{i}", "d", "c", [{"role": "user", "content": text}])
+               for i, text in enumerate(["hello there", "abc"])]
+    torch.manual_seed(0)
+    examples = build_examples(target, _CharTokenizer(), config.target_layer_ids, prompts=prompts,
+                              texts=["some plain text to teacher force"], max_new_tokens=6, batch_size=2,
+                              progress=False, samples_per_prompt=3, temperature=1.5)
+    assert [e.source for e in examples] == ["p/0", "p/1"] * 3 + ["text/0"]
+    greedy = examples[0]
+    assert len(greedy) == 11 + 6 and bool(greedy.on_policy[11:-1].all())  # the greedy answer is on-policy
+    sampled = examples[2:6]
+    assert any(not bool(e.on_policy[len(e) - 7:-1].all()) for e in sampled)  # samples leave the greedy path
+    with pytest.raises(ValueError, match="samples_per_prompt"):
+        build_examples(target, _CharTokenizer(), config.target_layer_ids, prompts=prompts, samples_per_prompt=0)

@@ -38,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="prompt sets as DATASET[START:END] (default: humaneval[24:] mtbench[24:])")
     parser.add_argument("--data-cache", default=None, help="reuse / store the target-made examples in this file")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="target answer length per prompt")
-    parser.add_argument("--eval-fraction", type=float, default=0.1, help="held-out share of the sequences")
+    parser.add_argument("--samples-per-prompt", type=int, default=1,
+                        help="answers per prompt: the greedy one plus N-1 sampled ones (more training data)")
+    parser.add_argument("--sample-temperature", type=float, default=0.7)
+    parser.add_argument("--eval-fraction", type=float, default=0.1,
+                        help="held-out share of the PROMPTS (all answers to a held-out prompt are held out)")
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--layers", type=int, default=1, help="drafter decoder layers (1-2)")
     parser.add_argument("--steps", type=int, default=600)
@@ -129,15 +133,17 @@ def run(args) -> int:
         print(f"loaded {len(examples)} examples from {cache}")
     else:
         examples = build_examples(target, tokenizer, drafter_config.target_layer_ids, prompts=prompts,
-                                  max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
+                                  max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
+                                  samples_per_prompt=args.samples_per_prompt, temperature=args.sample_temperature)
         if cache is not None and accelerator.is_main_process:
             save_examples(examples, cache)
-    order = list(range(len(examples)))
-    random.Random(args.seed).shuffle(order)
-    num_eval = int(round(len(examples) * args.eval_fraction))
-    eval_ids = set(order[:num_eval])
+    # split by prompt, so that sampled answers to a held-out prompt never leak into training
+    sources = sorted({example.source for example in examples})
+    random.Random(args.seed).shuffle(sources)
+    held_out = set(sources[: int(round(len(sources) * args.eval_fraction))])
+    eval_ids = {i for i, example in enumerate(examples) if example.source in held_out}
     eval_examples = [examples[i] for i in sorted(eval_ids)]
-    train_examples = [examples[i] for i in order[num_eval:]]
+    train_examples = [example for i, example in enumerate(examples) if i not in eval_ids]
 
     drafter = LaSpecDrafterModel(drafter_config).to(accelerator.device).attach_target(target)
     started = time.perf_counter()
@@ -150,7 +156,6 @@ def run(args) -> int:
     drafter.eval()
     generate_eval = []
     if args.eval_generate:
-        held_out = {examples[i].source for i in eval_ids}
         chosen = [p for p in prompts if p.id in held_out][: args.eval_generate]
         generate_eval = _generate_eval(target, tokenizer, drafter, chosen, args.max_new_tokens)
     save_dtype = getattr(torch, args.save_dtype)

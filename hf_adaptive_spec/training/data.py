@@ -58,7 +58,8 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
 
 @torch.no_grad()
 def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=(), max_new_tokens: int = 128,
-                   batch_size: int = 8, max_text_tokens: int = 256, progress: bool = True) -> list:
+                   batch_size: int = 8, max_text_tokens: int = 256, progress: bool = True,
+                   samples_per_prompt: int = 1, temperature: float = 0.7) -> list:
     """Examples from the target's greedy answers to `prompts` and from plain `texts`.
 
     Args:
@@ -68,12 +69,17 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
         prompts: chat prompts (`hf_adaptive_spec.data.Prompt` or a list of messages); the target answers each
             greedily with up to `max_new_tokens` tokens, `batch_size` prompts at a time.
         texts: plain strings, cut to `max_text_tokens` tokens, teacher-forced only.
+        samples_per_prompt (`int`): answers per prompt: the greedy one, plus `samples_per_prompt - 1` sampled at
+            `temperature` (more varied prefixes; their labels are still the target's greedy choices, and a block
+            trains only across positions where the sample agreed with them).
 
     Returns:
         list of [`DrafterExample`].
     """
     from tqdm.auto import tqdm
 
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}.")
     sequences, sources = [], []
     prompts = list(prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -94,15 +100,18 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
         for row, ids in enumerate(encoded):  # left padding
             input_ids[row, width - len(ids):] = ids
             attention_mask[row, width - len(ids):] = 1
-        out = target.generate(input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
-                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-        for row, (prompt, ids) in enumerate(zip(chunk, encoded)):
-            answer = out[row, width:].cpu()
-            eos = tokenizer.eos_token_id
-            if eos is not None and (answer == eos).any():
-                answer = answer[: int((answer == eos).nonzero()[0]) + 1]
-            sequences.append(torch.cat([ids, answer]))
-            sources.append(getattr(prompt, "id", "prompt"))
+        for sample in range(samples_per_prompt):
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if sample else {"do_sample": False}
+            out = target.generate(input_ids=input_ids.to(target.device),
+                                  attention_mask=attention_mask.to(target.device), max_new_tokens=max_new_tokens,
+                                  pad_token_id=pad, **sampling)
+            for row, (prompt, ids) in enumerate(zip(chunk, encoded)):
+                answer = out[row, width:].cpu()
+                eos = tokenizer.eos_token_id
+                if eos is not None and (answer == eos).any():
+                    answer = answer[: int((answer == eos).nonzero()[0]) + 1]
+                sequences.append(torch.cat([ids, answer]))
+                sources.append(getattr(prompt, "id", "prompt"))
         bar.update(len(chunk))
     for i, text in enumerate(texts):
         ids = tokenizer(text)["input_ids"][:max_text_tokens]
