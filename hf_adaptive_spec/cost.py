@@ -122,8 +122,10 @@ def measure_verifier_cost(runner, sizes=DEFAULT_SIZES, repeats: int = 3) -> Cost
     times = {n: [] for n in sizes}
     # sweep the sizes `repeats` times (plus one warm-up sweep) instead of timing each size in a burst: a
     # transient slowdown of a shared machine then hits every size alike instead of inflating one of them
+    # (rotated per sweep: the forward right after the largest block runs slow, and must not always be n = 1)
     for sweep in range(repeats + 1):
-        for n in sizes:
+        shift = sweep % len(sizes)
+        for n in list(sizes[shift:]) + list(sizes[:shift]):
             tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
             parents = (torch.arange(n, device=device) - 1).expand(batch, n)
             valid = torch.ones(batch, n, dtype=torch.bool, device=device)
