@@ -17,7 +17,8 @@ from transformers import DynamicCache
 from ..compat import MULTIMODAL_KEYS, check_cache
 from ..runner import ModelRunner
 from ..strategies import Frontier
-from ..tree import DraftTree, TreeBuilder, compact_true
+from ..tree import DraftTree, TreeBuilder
+from .levels import choose_level
 
 
 class IndependentDrafter:
@@ -113,53 +114,30 @@ class IndependentDrafter:
         level = 0
         while True:
             level += 1
-            probs = torch.softmax(frontier_logits, dim=-1)  # (B, F, V) q at the frontier
-            if sample:
-                builder.draft_probs.append((torch.where(frontier.valid, frontier_nodes, -1), probs))
-                # exponential race: the top-k of q / E, E ~ Exp(1), is a draw of k tokens without replacement
-                race = probs / torch.empty_like(probs).exponential_(generator=generator)
-                top_tokens = race.topk(k, dim=-1).indices
-                top_probs = probs.gather(-1, top_tokens)
-            else:
-                top_probs, top_tokens = probs.topk(k, dim=-1)  # (B, F, K)
-            take, expand = strategy.select(level, frontier, top_probs)
-            take = take & (top_probs > 0) & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
-            expand = expand & take & (level < max_depth)[:, None, None]
-            child, child_valid, width = compact_true(take.flatten(1))
-            if width == 0:
+            chosen = choose_level(strategy, level, frontier, frontier_nodes, frontier_logits, k, max_depth, builder,
+                                  sample, generator)
+            if chosen is None:
                 break
-            parent_f = child // k  # (B, W) frontier position of each child's parent
-            child_tokens = top_tokens.flatten(1).gather(1, child)
-            child_probs = top_probs.flatten(1).gather(1, child)
-            child_cum = frontier.cum_probs.gather(1, parent_f) * child_probs
-            child_expand = expand.flatten(1).gather(1, child) & child_valid
-            grow, grow_valid, num_grow = compact_true(child_expand)  # (B, E) positions within the level
             tail_length = tail_parents.shape[1]
-            slot = torch.full_like(child_tokens, -1)
-            slot.scatter_(1, grow, torch.where(grow_valid, tail_length + torch.arange(num_grow, device=device), -1))
-            slot = torch.where(child_expand, slot, -1)
-            node_index = builder.add_level(
-                child_tokens, frontier_nodes.gather(1, parent_f), child_valid, child_probs, child_cum, slot
-            )
-            if num_grow == 0:
+            # the expanded children get the next drafter tail slots, in order
+            slot = torch.full_like(chosen.tokens, -1)
+            slot.scatter_(1, chosen.grow, torch.where(
+                chosen.grow_valid, tail_length + torch.arange(chosen.num_grow, device=device), -1))
+            slot = torch.where(chosen.expand, slot, -1)
+            node_index = builder.add_level(chosen.tokens, frontier_nodes.gather(1, chosen.parent), chosen.valid,
+                                           chosen.probs, chosen.cum_probs, slot)
+            if chosen.num_grow == 0:
                 break
+            block_tokens, grow_parent, frontier_paths, frontier_nodes, frontier = chosen.next_frontier(
+                node_index, frontier_paths, level)
             # run the expanded children as one block under the tree mask
-            grow_parent_f = parent_f.gather(1, grow)
-            block_tokens = child_tokens.gather(1, grow)
-            block_parents = torch.where(grow_valid, frontier_slots.gather(1, grow_parent_f), -1)
+            block_parents = torch.where(chosen.grow_valid, frontier_slots.gather(1, grow_parent), -1)
             tail_parents = torch.cat([tail_parents, block_parents], dim=1)
-            tail_valid = torch.cat([tail_valid, grow_valid], dim=1)
+            tail_valid = torch.cat([tail_valid, chosen.grow_valid], dim=1)
             output = runner.forward(block_tokens, tail_parents, tail_valid)
-            block_paths = torch.cat(
-                [frontier_paths.gather(1, grow_parent_f[..., None].expand(-1, -1, level - 1)), block_tokens[..., None]],
-                dim=2,
-            )
-            depth = torch.full_like(block_tokens, level)
-            frontier_logits = process(output.logits.float(), block_paths, depth, grow_valid)
-            frontier_nodes = node_index[None, :].expand(batch, -1).gather(1, grow)
-            frontier_slots = tail_length + torch.arange(num_grow, device=device)[None, :].expand(batch, -1)
-            frontier = Frontier(probs=child_probs.gather(1, grow), cum_probs=child_cum.gather(1, grow), valid=grow_valid)
-            frontier_paths = block_paths
+            frontier_logits = process(output.logits.float(), frontier_paths, torch.full_like(block_tokens, level),
+                                      chosen.grow_valid)
+            frontier_slots = tail_length + torch.arange(chosen.num_grow, device=device)[None, :].expand(batch, -1)
         self._num_pending = num_pending
         return builder.build()
 

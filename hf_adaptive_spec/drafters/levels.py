@@ -1,0 +1,90 @@
+"""The per-level step every drafter shares: offer each frontier node its top-K candidates, let the strategy
+choose, and gather the chosen children (and those to expand) into padded `(B, W)` tensors.
+
+Drafters differ only in where the next frontier's logits come from (an independent model runs the expanded
+children; a block drafter reads its next block position) and in the drafter cache slots they record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..strategies import Frontier
+from ..tree import compact_true
+
+
+@dataclass
+class Level:
+    """The children chosen at one level (B = batch, W = widest row, E = widest row of expanded children).
+
+    Fields:
+        tokens, parent, valid, probs, cum_probs, expand: `(B, W)`; `parent` is the frontier position of each
+            child's parent, `expand` marks the children the drafter goes on to process.
+        grow, grow_valid: `(B, E)` positions within the level of the expanded children, padding marked.
+        num_grow: E.
+    """
+
+    tokens: torch.Tensor
+    parent: torch.Tensor
+    valid: torch.Tensor
+    probs: torch.Tensor
+    cum_probs: torch.Tensor
+    expand: torch.Tensor
+    grow: torch.Tensor
+    grow_valid: torch.Tensor
+    num_grow: int
+
+    def next_frontier(self, node_index: torch.Tensor, paths: torch.Tensor, level: int):
+        """`(tokens (B, E), parent (B, E), paths (B, E, level), nodes (B, E), Frontier)` of the expanded children.
+
+        Args:
+            node_index (`torch.LongTensor` of shape `(W,)`): tree indices this level received.
+            paths (`torch.LongTensor` of shape `(B, F, level - 1)`): the current frontier's paths.
+        """
+        parent = self.parent.gather(1, self.grow)
+        tokens = self.tokens.gather(1, self.grow)
+        new_paths = torch.cat([paths.gather(1, parent[..., None].expand(-1, -1, level - 1)), tokens[..., None]], dim=2)
+        nodes = node_index[None, :].expand(tokens.shape[0], -1).gather(1, self.grow)
+        frontier = Frontier(probs=self.probs.gather(1, self.grow), cum_probs=self.cum_probs.gather(1, self.grow),
+                            valid=self.grow_valid)
+        return tokens, parent, new_paths, nodes, frontier
+
+
+def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch.Tensor, logits: torch.Tensor,
+                 k: int, max_depth: torch.Tensor, builder, sample: bool, generator=None,
+                 may_expand: bool = True) -> Level | None:
+    """Children of the frontier at `level`, or None when the strategy takes none.
+
+    Args:
+        logits (`torch.FloatTensor` of shape `(B, F, V)`): processed drafter logits at the frontier (q).
+        k (`int`): candidates offered per node.
+        max_depth (`torch.LongTensor` of shape `(B,)`): deepest level each row may draft.
+        builder (`TreeBuilder`): receives q of each frontier node under sampling.
+        sample (`bool`): draw the candidates without replacement from q (exponential race = Gumbel-top-k)
+            instead of taking its top-k.
+        may_expand (`bool`): False when the drafter cannot go deeper than this level.
+    """
+    probs = torch.softmax(logits, dim=-1)  # (B, F, V)
+    if sample:
+        builder.draft_probs.append((torch.where(frontier.valid, frontier_nodes, -1), probs))
+        # exponential race: the top-k of q / E, E ~ Exp(1), is a draw of k tokens without replacement
+        race = probs / torch.empty_like(probs).exponential_(generator=generator)
+        top_tokens = race.topk(k, dim=-1).indices
+        top_probs = probs.gather(-1, top_tokens)
+    else:
+        top_probs, top_tokens = probs.topk(k, dim=-1)  # (B, F, K)
+    take, expand = strategy.select(level, frontier, top_probs)
+    take = take & (top_probs > 0) & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
+    expand = expand & take & (level < max_depth)[:, None, None] & may_expand
+    child, valid, width = compact_true(take.flatten(1))
+    if width == 0:
+        return None
+    parent = child // k  # (B, W) frontier position of each child's parent
+    probs = top_probs.flatten(1).gather(1, child)
+    expand = expand.flatten(1).gather(1, child) & valid
+    grow, grow_valid, num_grow = compact_true(expand)
+    return Level(tokens=top_tokens.flatten(1).gather(1, child), parent=parent, valid=valid, probs=probs,
+                 cum_probs=frontier.cum_probs.gather(1, parent) * probs, expand=expand, grow=grow,
+                 grow_valid=grow_valid, num_grow=num_grow)
