@@ -92,5 +92,27 @@ class Strategy:
         """Called after verification with accepted draft tokens per row `(B,)` and active rows `(B,)`."""
 
 
+def descending_rank(scores: torch.Tensor) -> torch.Tensor:
+    """`(B, X)` position of each entry in its row's descending order (ties: lower index first)."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(scores.shape[1], device=scores.device).expand_as(order))
+    return rank
+
+
+def limit_to_budget(take: torch.Tensor, frontier: Frontier, candidate_probs: torch.Tensor, left: torch.Tensor,
+                    sampling: bool) -> torch.Tensor:
+    """`take` `(B, F, K)` cut per row to its `left` `(B,)` best candidates.
+
+    Greedy: the highest path probabilities. Sampling: a drawn child may only be dropped for what came before
+    it (its parent's path probability, earlier draws), never for its own drawn value, or the draws would no
+    longer follow q.
+    """
+    cum = frontier.cum_probs[..., None] * candidate_probs  # (B, F, K)
+    priority = frontier.cum_probs[..., None].expand_as(cum) if sampling else cum
+    rank = descending_rank(torch.where(take, priority, -1.0).flatten(1))
+    return take & (rank < left[:, None]).view_as(take)
+
+
 def on_gpu(device: torch.device) -> bool:
     return torch.device(device).type != "cpu"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Strategy, StrategyConfig, on_gpu
+from .base import Strategy, StrategyConfig, limit_to_budget, on_gpu
 
 
 @dataclass
@@ -70,15 +70,8 @@ class LaSpecStrategy(Strategy):
         self.nodes_used.zero_()
 
     def select(self, level, frontier, candidate_probs):
-        take = frontier.valid[..., None].expand_as(candidate_probs).clone()
-        # node budget: the highest path probabilities (under sampling: earlier draws of likelier parents, never
-        # a child's own drawn value, which would bias the draws)
-        cum = frontier.cum_probs[..., None] * candidate_probs
-        priority = frontier.cum_probs[..., None].expand_as(cum) if self.sampling else cum
-        left = (self.config.n_max - self.nodes_used).clamp_min(0)
-        order = torch.where(take, priority, -1.0).flatten(1).argsort(dim=-1, descending=True, stable=True)
-        position = torch.empty_like(order)
-        position.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-        take &= (position < left[:, None]).view_as(take)
+        take = frontier.valid[..., None].expand_as(candidate_probs)
+        take = limit_to_budget(take, frontier, candidate_probs, (self.config.n_max - self.nodes_used).clamp_min(0),
+                               self.sampling)
         self.nodes_used += take.flatten(1).sum(-1)
         return take, take

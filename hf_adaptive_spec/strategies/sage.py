@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from .base import Strategy, StrategyConfig, on_gpu
+from .base import Strategy, StrategyConfig, limit_to_budget, on_gpu
 
 ALPHA_SOURCES = ("previous_root", "current_root")
 EXPAND_RULES = ("cumulative", "node")
@@ -138,18 +138,9 @@ class SageStrategy(Strategy):
         rank = torch.arange(k, device=candidate_probs.device)
         take = (rank[None, None, :] < children[..., None]) & frontier.valid[..., None]
         take &= (level <= depth)[:, None, None]
-        # node budget: keep the candidates with the highest cumulative probability
+        take = limit_to_budget(take, frontier, candidate_probs, (c.n_max - self.nodes_used).clamp_min(0),
+                               self.sampling)
         cum = frontier.cum_probs[..., None] * candidate_probs  # (B, F, K)
-        left = (c.n_max - self.nodes_used).clamp_min(0)
-        if bool((take.flatten(1).sum(-1) > left).any()):
-            # greedy: the best path probabilities. Sampling: a sampled child may only be dropped for what came
-            # before it (its parent's path, earlier draws), never for its own drawn value, or the draws would
-            # no longer follow q: rank by the parent's path probability, earlier draws first.
-            priority = frontier.cum_probs[..., None].expand_as(cum) if self.sampling else cum
-            order = torch.where(take, priority, -1.0).flatten(1).argsort(dim=-1, descending=True, stable=True)
-            position = torch.empty_like(order)
-            position.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-            take &= (position < left[:, None]).view_as(take)
         self.nodes_used += take.flatten(1).sum(-1)
         theta = c.theta_scale * level / depth.clamp_min(1)  # (B,)
         score = cum if c.expand_rule == "cumulative" else candidate_probs
