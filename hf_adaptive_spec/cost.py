@@ -25,6 +25,7 @@ MEASURED cost curve:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from . import ops
+from .strategies.base import descending_rank
 
 __all__ = ["AcceptanceCalibrator", "CostModel", "CostProfile", "choose_prefix", "measure_verifier_cost",
            "verifier_cost_profile"]
@@ -114,7 +116,7 @@ def measure_verifier_cost(runner, sizes=DEFAULT_SIZES, repeats: int = 3) -> Cost
     Args:
         runner (`ModelRunner`): the target's runner right after the prefill.
         sizes (sequence of `int`): token counts to measure.
-        repeats (`int`): forwards per size; the median is kept (one extra warm-up forward first).
+        repeats (`int`): timed sweeps over all sizes (after one warm-up sweep); the median per size is kept.
     """
     batch = runner.slot_valid.shape[0]
     device = runner.slot_valid.device
@@ -150,7 +152,7 @@ def verifier_cost_profile(runner, sizes=DEFAULT_SIZES, repeats: int = 3, use_dis
     refresh = os.environ.get("HF_ADAPTIVE_SPEC_COST_REFRESH") == "1"
     if key in _MEMORY and not refresh:
         return _MEMORY[key]
-    path = _cost_dir() / f"{abs(hash_key(key)):016x}.json"
+    path = _cost_dir() / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
     profile = None
     if use_disk and path.exists() and not refresh:
         try:
@@ -172,14 +174,6 @@ def verifier_cost_profile(runner, sizes=DEFAULT_SIZES, repeats: int = 3, use_dis
                 pass  # a read-only cache folder only costs a re-measure next time
     _MEMORY[key] = profile
     return profile
-
-
-def hash_key(key: str) -> int:
-    """A stable 64-bit hash (Python's `hash` of a str changes between processes)."""
-    value = 1469598103934665603
-    for byte in key.encode():
-        value = ((value ^ byte) * 1099511628211) % (1 << 64)
-    return value
 
 
 class AcceptanceCalibrator:
@@ -222,31 +216,29 @@ def survival(tree, accept: torch.Tensor) -> torch.Tensor:
     return torch.where(tree.valid, pi, 0.0)
 
 
-def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token: float) -> tuple[torch.Tensor, int]:
+def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token) -> tuple[torch.Tensor, torch.Tensor]:
     """Which nodes to verify: the best count n of highest-pi nodes per row, shared by the batch.
 
     Args:
         pi (`torch.FloatTensor` of shape `(B, N)`): survival probability of each node (root first, pi = 1;
             padding 0). Along any path pi never grows, so the top-n set is closed under ancestors.
         cost_table (`torch.FloatTensor` of shape `(M,)`): T(m) for m = 0 .. M - 1 tokens in one forward.
-        seconds_per_token (`float`): t_token, the current cost of one generated token.
+        seconds_per_token (`float` or 0-d tensor): t_token, the current cost of one generated token.
 
     Returns:
-        `(keep, n)`: `keep` `(B, N)` bool (root always kept) and n, the number of draft nodes kept per row.
+        `(keep, n)`: `keep` `(B, N)` bool (root always kept) and n (0-d tensor, no host sync), the number of
+        draft nodes kept per row.
     """
     batch, num_nodes = pi.shape
     draft = pi[:, 1:]
-    order = draft.argsort(dim=-1, descending=True, stable=True)  # ties: lower index (ancestors) first
-    gain = draft.gather(1, order).sum(0).cumsum(0)  # (N - 1,) expected accepted tokens of the n best, summed
+    gain = draft.sort(dim=-1, descending=True).values.sum(0).cumsum(0)  # (N - 1,) summed pi of the n best
     gain = torch.cat([gain.new_zeros(1), gain])  # n = 0 .. N - 1
     sizes = torch.arange(1, num_nodes + 1, device=pi.device).clamp_max(cost_table.shape[0] - 1)
-    value = gain - cost_table.to(pi.device)[sizes] / max(seconds_per_token, 1e-9)
-    n = int(value.argmax())
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(num_nodes - 1, device=pi.device).expand(batch, -1))
-    keep = torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=pi.device), rank < n], dim=1) & (pi > 0)
-    keep[:, 0] = True
-    return keep, n
+    seconds_per_token = torch.as_tensor(seconds_per_token, dtype=torch.float32, device=pi.device)
+    value = gain - cost_table.to(pi.device)[sizes] / seconds_per_token.clamp_min(1e-9)
+    n = value.argmax()
+    kept = (descending_rank(draft) < n) & (draft > 0)
+    return torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=pi.device), kept], dim=1), n
 
 
 class CostModel:
@@ -256,17 +248,19 @@ class CostModel:
         self.profile = profile
         self.table = profile.table(max_tokens + 1, device=device)
         self.calibrator = AcceptanceCalibrator(device=device)
-        # before any round: one plain decoding step per token
-        self.seconds_per_token = profile.time(1)
+        # before any round: one plain decoding step per token (a device scalar: updating it needs no host sync)
+        self.seconds_per_token = torch.tensor(profile.time(1), dtype=torch.float32, device=device)
         self.smoothing = smoothing
 
-    def prune(self, tree) -> tuple[torch.Tensor, int]:
+    def prune(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
         """`(keep (B, N), n)` for `tree` (see `choose_prefix`)."""
         pi = survival(tree, self.calibrator(tree.probs))
         return choose_prefix(pi, self.table, self.seconds_per_token)
 
-    def observe(self, tree, target_choice: torch.Tensor, round_seconds: float, tokens: int) -> None:
+    def observe(self, tree, target_choice: torch.Tensor, round_seconds: float, tokens: torch.Tensor) -> None:
+        """Learn from a verified round: calibration from its nodes, t_token from its time and `tokens` (0-d)."""
         self.calibrator.observe(tree, target_choice)
-        if tokens > 0:
-            rate = round_seconds / tokens
-            self.seconds_per_token += self.smoothing * (rate - self.seconds_per_token)
+        rate = round_seconds / tokens.clamp_min(1)
+        self.seconds_per_token = torch.where(
+            tokens > 0, self.seconds_per_token + self.smoothing * (rate - self.seconds_per_token),
+            self.seconds_per_token)

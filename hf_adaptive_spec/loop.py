@@ -250,7 +250,7 @@ def speculative_decode(
         if cost is not None:  # verify only what pays for its marginal cost
             drafted = tree.num_drafted()
             tree = tree.subset(cost.prune(tree)[0])
-            stats.pruned_tokens += int((drafted - tree.num_drafted())[active].sum())
+            trace.pruned += ((drafted - tree.num_drafted()) * active).sum()
             stats.time_tree += clock.lap()
 
         verify_model_time = target.model_time
@@ -305,7 +305,7 @@ def speculative_decode(
         del verify_hidden
         stats.time_compact += clock.lap()
         if cost is not None:
-            cost.observe(tree, scores.argmax(-1), time.perf_counter() - round_start, int(counts.sum()))
+            cost.observe(tree, scores.argmax(-1), time.perf_counter() - round_start, counts.sum())
 
     if streamer is not None:
         streamer.end()
@@ -333,6 +333,7 @@ class _RoundTrace:
 
     def __init__(self):
         self.active, self.drafted, self.accepted, self.confidence = [], [], [], []
+        self.pruned = 0  # draft nodes trimmed by the cost model (a device scalar once a round adds to it)
 
     def record(self, active, drafted, accepted, confidence):
         self.active.append(active)
@@ -342,6 +343,7 @@ class _RoundTrace:
             self.confidence.append(confidence)
 
     def finish(self, stats: SpecStats) -> None:
+        stats.pruned_tokens = int(self.pruned)
         if not self.active:
             return
         active = torch.stack(self.active).flatten()  # (rounds * B,) in round order, rows within a round

@@ -137,7 +137,9 @@ def test_cost_rule_trims_trees_and_output_stays_exact(arch, monkeypatch):
 
 def test_cost_model_tracks_seconds_per_token():
     model = CostModel(CostProfile(sizes=[1], seconds=[2.0]), max_tokens=8, device="cpu", smoothing=0.5)
-    assert model.seconds_per_token == 2.0
+    assert float(model.seconds_per_token) == 2.0
     tree = _tree([-1, 0], [1.0, 0.9])
-    model.observe(tree, torch.tensor([[11, 0]]), round_seconds=2.0, tokens=2)
-    assert model.seconds_per_token == pytest.approx(1.5)
+    model.observe(tree, torch.tensor([[11, 0]]), round_seconds=2.0, tokens=torch.tensor(2))
+    assert float(model.seconds_per_token) == pytest.approx(1.5)
+    model.observe(tree, torch.tensor([[11, 0]]), round_seconds=9.0, tokens=torch.tensor(0))  # nothing produced
+    assert float(model.seconds_per_token) == pytest.approx(1.5)
