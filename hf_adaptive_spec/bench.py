@@ -217,7 +217,7 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
     from .strategies import STRATEGIES, resolve_config
 
     if args.strategies is None:
-        args.strategies = [name for name, cls in STRATEGIES.items() if not cls.requires_block_drafter]
+        args.strategies = _default_strategies(laspec=False)
     strategies = list(dict.fromkeys(args.strategies))
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -255,12 +255,19 @@ def is_laspec_drafter(name: str) -> bool:
     return name in SHIPPED_DRAFTERS or is_laspec_folder(Path(name).expanduser())
 
 
+def _default_strategies(laspec: bool) -> list:
+    """Every registered strategy the drafter kind can serve (block-drafter-only ones need a LaSpec drafter)."""
+    from .strategies import STRATEGIES
+
+    return [name for name, cls in STRATEGIES.items() if laspec or not cls.requires_block_drafter]
+
+
 def _check_drafter_options(args, laspec: bool) -> None:
     """Fill the default strategy list for the drafter kind; refuse options that cannot apply to it."""
     from .strategies import STRATEGIES
 
     if args.strategies is None:
-        args.strategies = [name for name, cls in STRATEGIES.items() if laspec or not cls.requires_block_drafter]
+        args.strategies = _default_strategies(laspec)
     if laspec:
         if args.drafter_int8:
             raise ValueError("--drafter-int8 quantizes an independent drafter model; a LaSpec drafter is one small "

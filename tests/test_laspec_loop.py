@@ -30,7 +30,7 @@ def recorded(monkeypatch):
     return made
 
 
-def _oracle(monkeypatch, continuation, prompt_length, corrupt_every=0):
+def _oracle(monkeypatch, continuation, corrupt_every=0):
     """Make the block drafter propose the plain greedy continuation (optionally wrong at every n-th depth)."""
 
     def block_logits(self, depth):
@@ -82,7 +82,7 @@ def test_oracle_block_is_accepted_whole(arch, monkeypatch):
     inputs = make_inputs(arch, batch_size=2)
     prompt_length = inputs["input_ids"].shape[1]
     expected = target.generate(**inputs, max_new_tokens=31, do_sample=False)
-    _oracle(monkeypatch, expected[:, prompt_length:], prompt_length)
+    _oracle(monkeypatch, expected[:, prompt_length:])
     out = target.generate(**inputs, max_new_tokens=31, do_sample=False, assistant_model=_drafter(target),
                           spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 1},
                           return_dict_in_generate=True)
@@ -95,7 +95,7 @@ def test_partly_wrong_block_still_exact(monkeypatch):
     inputs = make_inputs("qwen2_vl", batch_size=2)
     prompt_length = inputs["input_ids"].shape[1]
     expected = target.generate(**inputs, max_new_tokens=30, do_sample=False)
-    _oracle(monkeypatch, expected[:, prompt_length:], prompt_length, corrupt_every=3)
+    _oracle(monkeypatch, expected[:, prompt_length:], corrupt_every=3)
     out = target.generate(**inputs, max_new_tokens=30, do_sample=False, assistant_model=_drafter(target),
                           spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 2},
                           return_dict_in_generate=True)

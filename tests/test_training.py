@@ -106,8 +106,7 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(setup, tmp_path):
     straight = _fresh(setup)
     train_drafter(straight, examples, [], config, out_dir=tmp_path / "a", progress=False)
     first = _fresh(setup)
-    train_drafter(first, examples, [], TrainConfig(**{**vars(config), "steps": 8}), out_dir=tmp_path / "b",
-                  progress=False)
+    train_drafter(first, examples, [], config, out_dir=tmp_path / "b", progress=False)
     # simulate an interruption after step 4: drop the final checkpoint, resume into a fresh model
     import shutil
 

@@ -19,11 +19,14 @@ visual tokens the drafter's gated cross-attention sees next round
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 
 from ..strategies import Frontier
-from ..tree import DraftTree, TreeBuilder, compact_true
+from ..tree import DraftTree, TreeBuilder
+from .levels import choose_level
+from ..vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .laspec import LaSpecDrafterModel, gather_target_hidden
 
 __all__ = ["BlockDrafter", "image_token_mask"]
@@ -78,7 +81,7 @@ class BlockDrafter:
         self.context_positions = None  # (B, C)
         self.root = None  # (B,) pending token
         self.root_position = None  # (B,)
-        self.visual = None  # (B, T, H) the target's input embeddings at the visual positions (prefill)
+        self.prompt_embeds = None  # (B, S, H) the target's input embeddings of the prompt (vision only)
         self.visual_store = None
         self.visual_embeds = None  # (B, M, H) selected this round
         self.visual_valid = None
@@ -93,9 +96,7 @@ class BlockDrafter:
         return self.visual_store is not None
 
     def setup_vision(self, input_ids, hidden_states, cache) -> None:
-        """After the prefill: keep the visual embeddings and int8 keys if the prompt has an image."""
-        from ..vision import VisualKeyStore
-
+        """After the prefill: keep the prompt's input embeddings and int8 visual keys if it has an image."""
         if self.num_visual_tokens <= 0 or not any(layer.visual_gate.abs().sum() > 0 for layer in self.model.layers):
             return  # an untrained (zero) gate makes the visual branch an exact no-op: skip its cost
         mask = image_token_mask(self.target, input_ids)
@@ -103,37 +104,25 @@ class BlockDrafter:
             return
         start = time.perf_counter()
         self.visual_store = VisualKeyStore.from_cache(cache, self.layer_ids, mask)
-        positions = self.visual_store.positions.clamp_min(0)  # (B, T)
-        embeds = hidden_states[0]  # the input embeddings, image features included
-        self.visual = embeds.gather(1, positions[..., None].expand(-1, -1, embeds.shape[-1]))
+        self.prompt_embeds = hidden_states[0]  # (B, S, H) input embeddings, image features included
+        self.capture = QueryCapture(self.target, self.layer_ids)
         self.visual_time += time.perf_counter() - start
 
     def capture_context(self):
         """A context manager that records the target's queries during a forward (no-op without vision)."""
-        from contextlib import nullcontext
-
-        from ..vision import QueryCapture
-
-        if not self.uses_vision:
-            return nullcontext()
-        self.capture = QueryCapture(self.target, self.layer_ids)
-        return self.capture
+        return self.capture if self.uses_vision else nullcontext()
 
     def select_visual(self, last_index: torch.Tensor) -> None:
         """Pick this round's M visual tokens from the query at forward position `last_index` `(B,)`."""
-        from ..vision import select_visual_tokens
-
-        if not self.uses_vision or self.capture is None or not self.capture.queries:
+        if not self.uses_vision or not self.capture.queries:
             return
         start = time.perf_counter()
-        keep = min(self.num_visual_tokens, self.visual.shape[1])
+        keep = min(self.num_visual_tokens, self.visual_store.valid.shape[1])
         slots, _ = select_visual_tokens(self.capture.query_at(last_index), self.visual_store,
-                                        m_per_layer=2 * keep, keep=keep, timed=False)
-        # slot -> index within the store's visual list
-        store_positions = self.visual_store.positions  # (B, T)
-        local = (store_positions[:, None, :] == slots[..., None]).float().argmax(-1)  # (B, M)
+                                        m_per_layer=2 * keep, keep=keep, timed=False)  # (B, M) prompt slots
         self.visual_valid = slots >= 0
-        self.visual_embeds = self.visual.gather(1, local[..., None].expand(-1, -1, self.visual.shape[-1]))
+        index = slots.clamp_min(0)[..., None].expand(-1, -1, self.prompt_embeds.shape[-1])
+        self.visual_embeds = self.prompt_embeds.gather(1, index)
         self.capture.clear()
         self.visual_time += time.perf_counter() - start
 
@@ -205,39 +194,18 @@ class BlockDrafter:
         frontier_logits = root_logits  # (B, F, V)
         k = min(strategy.max_children, logits.shape[-1])
         for level in range(1, depth_limit + 1):
-            probs = torch.softmax(frontier_logits, dim=-1)
-            if sample:
-                builder.draft_probs.append((torch.where(frontier.valid, frontier_nodes, -1), probs))
-                race = probs / torch.empty_like(probs).exponential_(generator=generator)
-                top_tokens = race.topk(k, dim=-1).indices
-                top_probs = probs.gather(-1, top_tokens)
-            else:
-                top_probs, top_tokens = probs.topk(k, dim=-1)  # (B, F, K)
-            take, expand = strategy.select(level, frontier, top_probs)
-            take = take & (top_probs > 0) & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
-            expand = expand & take & (level < max_depth)[:, None, None] & (level < depth_limit)
-            child, child_valid, width = compact_true(take.flatten(1))
-            if width == 0:
+            chosen = choose_level(strategy, level, frontier, frontier_nodes, frontier_logits, k, max_depth, builder,
+                                  sample, generator, may_expand=level < depth_limit)
+            if chosen is None:
                 break
-            parent_f = child // k
-            child_tokens = top_tokens.flatten(1).gather(1, child)
-            child_probs = top_probs.flatten(1).gather(1, child)
-            child_cum = frontier.cum_probs.gather(1, parent_f) * child_probs
-            child_expand = expand.flatten(1).gather(1, child) & child_valid
-            node_index = builder.add_level(child_tokens, frontier_nodes.gather(1, parent_f), child_valid,
-                                           child_probs, child_cum, torch.full_like(child_tokens, -1))
-            grow, grow_valid, num_grow = compact_true(child_expand)
-            if num_grow == 0:
+            node_index = builder.add_level(chosen.tokens, frontier_nodes.gather(1, chosen.parent), chosen.valid,
+                                           chosen.probs, chosen.cum_probs, torch.full_like(chosen.tokens, -1))
+            if chosen.num_grow == 0:
                 break
-            grow_parent_f = parent_f.gather(1, grow)
-            block_tokens = child_tokens.gather(1, grow)
-            paths = torch.cat([frontier_paths.gather(1, grow_parent_f[..., None].expand(-1, -1, level - 1)),
-                               block_tokens[..., None]], dim=2)  # (B, E, level)
+            block_tokens, _, frontier_paths, frontier_nodes, frontier = chosen.next_frontier(
+                node_index, frontier_paths, level)
             # every node of this depth is offered the block's next distribution, processed with its own prefix
-            next_logits = logits[:, level : level + 1].expand(-1, num_grow, -1)
-            frontier_logits = process(next_logits, paths, torch.full_like(block_tokens, level), grow_valid)
-            frontier_nodes = node_index[None, :].expand(batch, -1).gather(1, grow)
-            frontier = Frontier(probs=child_probs.gather(1, grow), cum_probs=child_cum.gather(1, grow),
-                                valid=grow_valid)
-            frontier_paths = paths
+            next_logits = logits[:, level : level + 1].expand(-1, chosen.num_grow, -1)
+            frontier_logits = process(next_logits, frontier_paths, torch.full_like(block_tokens, level),
+                                      chosen.grow_valid)
         return builder.build()
