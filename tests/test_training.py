@@ -207,10 +207,118 @@ def test_build_examples_with_sampled_answers(setup):
     examples = build_examples(target, _CharTokenizer(), config.target_layer_ids, prompts=prompts,
                               texts=["some plain text to teacher force"], max_new_tokens=6, batch_size=2,
                               progress=False, samples_per_prompt=3, temperature=1.5)
-    assert [e.source for e in examples] == ["p/0", "p/1"] * 3 + ["text/0"]
-    greedy = examples[0]
+    # prompts are batched shortest first (less padding): "abc" before "hello there"
+    assert [e.source for e in examples] == ["p/1", "p/0"] * 3 + ["text/0"]
+    assert [e.prompt_length for e in examples] == [3, 11] * 3 + [0]
+    greedy = examples[1]
     assert len(greedy) == 11 + 6 and bool(greedy.on_policy[11:-1].all())  # the greedy answer is on-policy
     sampled = examples[2:6]
-    assert any(not bool(e.on_policy[len(e) - 7:-1].all()) for e in sampled)  # samples leave the greedy path
+    assert any(not bool(e.on_policy[e.prompt_length:-1].all()) for e in sampled)  # samples leave the greedy path
     with pytest.raises(ValueError, match="samples_per_prompt"):
         build_examples(target, _CharTokenizer(), config.target_layer_ids, prompts=prompts, samples_per_prompt=0)
+
+
+def test_answers_from_a_bfloat16_copy_keep_the_targets_labels(setup):
+    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.training.data import build_examples
+
+    target, config, _ = setup
+    prompts = [Prompt(f"p/{i}", "d", "c", [{"role": "user", "content": text}])
+               for i, text in enumerate(["hello there", "abcdef"])]
+    examples = build_examples(target, _CharTokenizer(), config.target_layer_ids, prompts=prompts, max_new_tokens=8,
+                              progress=False, generate_dtype=torch.bfloat16)
+    assert target.dtype == torch.float32  # the copy answered; the target itself is untouched
+    for example in examples:
+        with torch.no_grad():
+            logits = target(example.input_ids[None]).logits[0]
+        assert torch.equal(example.labels, logits.argmax(-1))  # labels: the float32 target's greedy choices
+        assert torch.equal(example.on_policy[:-1], example.input_ids[1:] == example.labels[:-1])
+        assert len(example) == example.prompt_length + 8
+
+
+def test_make_batch_anchors_blocks_in_the_answer(setup):
+    _, _, examples = setup
+    example = examples[0]
+    answer = type(example)(example.input_ids, example.hidden, example.labels, example.on_policy, "x", 20)
+    batch = make_batch([answer], block_size=3, anchors=50, generator=random.Random(0), device="cpu")
+    starts = batch["position_ids"].view(50, 3)[:, 0]
+    assert int(starts.min()) >= 20 and int(starts.max()) <= len(example) - 1
+    plain = type(example)(example.input_ids, example.hidden, example.labels, example.on_policy, "x", 0)
+    starts = make_batch([plain], 3, 200, random.Random(0), "cpu")["position_ids"].view(200, 3)[:, 0]
+    assert int(starts.min()) == 1  # plain text: anywhere after the first token
+
+
+@pytest.mark.parametrize("kind", ["acceptance", "ce"])
+def test_loss_on_labelled_positions_equals_the_full_logits_loss(setup, kind):
+    import torch.nn.functional as F
+
+    from hf_adaptive_spec.drafters.laspec import acceptance_aware_loss, accept_probs_from
+    from hf_adaptive_spec.training.trainer import _labelled_logits, _loss
+
+    _, _, examples = setup
+    drafter = _fresh(setup)
+    batch = make_batch(examples[:3], block_size=3, anchors=8, generator=random.Random(2), device="cpu")
+    labels = batch["labels"]
+    assert bool((labels == -100).any()) and bool((labels != -100).any())
+    context = drafter.encode_context(batch["context"])
+    full = drafter.forward_block(batch["input_ids"], context, context_mask=batch["context_mask"],
+                                 position_ids=batch["position_ids"], block_length=3).logits
+    full = full.view(-1, 3, full.shape[-1])
+    flat_labels = labels.view(-1, 3)
+    if kind == "ce":
+        expected = F.cross_entropy(full.transpose(1, 2), flat_labels, ignore_index=-100)
+    else:
+        expected = acceptance_aware_loss(full, flat_labels, accept_probs_from(full, flat_labels, greedy=True))
+    logits, keep = _labelled_logits(drafter, batch, 3)
+    assert logits.shape[0] == int((labels != -100).sum())
+    got = _loss(logits, keep, labels, kind)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # and the gradients agree
+    grads = torch.autograd.grad(got, drafter.context_proj.weight)[0]
+    context = drafter.encode_context(batch["context"])
+    full = drafter.forward_block(batch["input_ids"], context, context_mask=batch["context_mask"],
+                                 position_ids=batch["position_ids"], block_length=3).logits.view(-1, 3, full.shape[-1])
+    if kind == "ce":
+        expected = F.cross_entropy(full.transpose(1, 2), flat_labels, ignore_index=-100)
+    else:
+        expected = acceptance_aware_loss(full, flat_labels, accept_probs_from(full, flat_labels, greedy=True))
+    torch.testing.assert_close(grads, torch.autograd.grad(expected, drafter.context_proj.weight)[0],
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_stdlib_code_prompts():
+    import ast
+
+    from hf_adaptive_spec.data import HUMANEVAL_INSTRUCTION
+    from hf_adaptive_spec.training.prompts import stdlib_code_prompts
+
+    prompts = stdlib_code_prompts(seed=0)
+    assert len(prompts) >= 200
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert [p.id for p in prompts[:20]] != [p.id for p in stdlib_code_prompts(seed=1)[:20]]
+    assert [p.id for p in prompts] == [p.id for p in stdlib_code_prompts(seed=0)]
+    for prompt in prompts[:100]:
+        content = prompt.messages[0]["content"]
+        assert content.startswith(HUMANEVAL_INSTRUCTION + "\n\n```python\ndef ") or "async def" in content
+        code = content.split("```python\n", 1)[1].rsplit("```", 1)[0]
+        function = ast.parse(code).body[0]  # a signature and a docstring: valid Python
+        assert ast.get_docstring(function) and not function.name.startswith("_")
+
+
+def test_template_prompts():
+    from hf_adaptive_spec.training.prompts import template_prompts
+
+    prompts = template_prompts(seed=0)
+    contents = [p.messages[0]["content"] for p in prompts]
+    assert len(prompts) > 1000 and len(set(contents)) == len(contents)
+    assert {p.category for p in prompts} == {"writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                                             "stem", "humanities"}
+    assert not any("{" in text or "}" in text for text in contents)
+    assert [p.id for p in template_prompts(seed=0)] == [p.id for p in prompts]
+
+
+def test_cli_data_specs_include_the_extra_prompt_sources():
+    from hf_adaptive_spec.training.cli import _prompts
+
+    prompts = _prompts(["stdlib[:5]", "templates[3:6]"])
+    assert [p.dataset for p in prompts] == ["stdlib"] * 5 + ["templates"] * 3

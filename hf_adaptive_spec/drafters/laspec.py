@@ -366,10 +366,14 @@ class LaSpecDrafterOutput(ModelOutput):
             text position `position_ids[:, 0] + k + 1`.
         hidden_states (tuple of `torch.FloatTensor` of shape `(B, L, hidden_size)`, *optional*): the block
             after the input embedding and after each layer (before the final norm).
+        last_hidden_state (`torch.FloatTensor` of shape `(B, L, target_hidden_size)`): what the target's LM head
+            reads (after the final norm and the output projection); [`LaSpecDrafterModel.logits_from_hidden`]
+            maps any subset of it to logits.
     """
 
     logits: torch.FloatTensor | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    last_hidden_state: torch.FloatTensor | None = None
 
 
 class LaSpecDrafterModel(PreTrainedModel):
@@ -486,6 +490,10 @@ class LaSpecDrafterModel(PreTrainedModel):
             return embedded
         return torch.where(is_first[None, :, None], embedded, self.mask_embedding.to(dtype))
 
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head (held fixed) over `last_hidden_state` rows `(..., target_hidden_size)`."""
+        return self._lm_head(hidden, self._target()[1])
+
     def _lm_head(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Target LM head with its weights held fixed (gradients reach `hidden` only)."""
         if isinstance(lm_head, nn.Linear):
@@ -554,6 +562,7 @@ class LaSpecDrafterModel(PreTrainedModel):
         context_position_ids: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         block_length: int | None = None,
+        output_logits: bool = True,
     ) -> LaSpecDrafterOutput:
         """[`forward`] with an already encoded context `(B, C, hidden_size)` ([`encode_context`]).
 
@@ -561,6 +570,9 @@ class LaSpecDrafterModel(PreTrainedModel):
         length, each with its own anchor (its first column's token and position): a block sees the context
         before its own first position and, causally, itself only. Training runs every anchor of a sequence in
         one row this way; the result per block equals a separate one-block call.
+
+        `output_logits=False` skips the LM head (`logits` is None): a trainer that needs the logits at a few
+        positions only maps those rows of `last_hidden_state` with [`logits_from_hidden`].
         """
         embedding, lm_head = self._target()
         if input_ids.dim() != 2:
@@ -611,8 +623,8 @@ class LaSpecDrafterModel(PreTrainedModel):
         hidden = self.norm(hidden)
         if self.output_proj is not None:
             hidden = self.output_proj(hidden)
-        logits = self._lm_head(hidden, lm_head)  # (B, L, V)
-        return LaSpecDrafterOutput(logits=logits, hidden_states=all_hidden)
+        logits = self._lm_head(hidden, lm_head) if output_logits else None  # (B, L, V)
+        return LaSpecDrafterOutput(logits=logits, hidden_states=all_hidden, last_hidden_state=hidden)
 
 
 def register_auto_classes() -> None:

@@ -35,12 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, help="registry name or local HF folder of the target")
     parser.add_argument("--out", required=True, help="output folder (checkpoints, final drafter, model card)")
     parser.add_argument("--data", nargs="+", default=["humaneval[24:]", "mtbench[24:]"],
-                        help="prompt sets as DATASET[START:END] (default: humaneval[24:] mtbench[24:])")
+                        help="prompt sets as DATASET[START:END] (default: humaneval[24:] mtbench[24:]); besides the "
+                             "benchmark sets: 'stdlib[:N]' (HumanEval-style tasks from the Python standard library) "
+                             "and 'templates[:N]' (assistant requests in MT-Bench's categories from fixed templates)")
     parser.add_argument("--data-cache", default=None, help="reuse / store the target-made examples in this file")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="target answer length per prompt")
     parser.add_argument("--samples-per-prompt", type=int, default=1,
                         help="answers per prompt: the greedy one plus N-1 sampled ones (more training data)")
     parser.add_argument("--sample-temperature", type=float, default=0.7)
+    parser.add_argument("--generate-batch-size", type=int, default=16, help="prompts answered per generate call")
+    parser.add_argument("--generate-dtype", choices=["same", "bfloat16"], default="same",
+                        help="answer with a bfloat16 copy of the target (faster on CPUs with AMX); labels and "
+                             "hidden states always come from the target as loaded")
     parser.add_argument("--eval-fraction", type=float, default=0.1,
                         help="held-out share of the PROMPTS (all answers to a held-out prompt are held out)")
     parser.add_argument("--block-size", type=int, default=4)
@@ -52,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--loss", choices=["acceptance", "ce"], default="acceptance")
     parser.add_argument("--checkpoint-every", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                        help="bf16 autocast for the drafter's training forward (CPUs with AMX, recent GPUs)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     parser.add_argument("--eval-generate", type=int, default=0,
                         help="after training, run generate(spec_strategy='laspec') on N held-out prompts")
@@ -71,13 +79,19 @@ def _load_target(name: str):
     return model, getattr(processor, "tokenizer", processor)
 
 
-def _prompts(specs: list) -> list:
+def _prompts(specs: list, seed: int = 0) -> list:
     from ..data import load_prompts
+    from .prompts import stdlib_code_prompts, template_prompts
 
     prompts = []
     for spec in specs:
         name, part = parse_data_spec(spec)
-        prompts.extend(load_prompts(name)[part])
+        if name == "stdlib":
+            prompts.extend(stdlib_code_prompts(seed=seed)[part])
+        elif name == "templates":
+            prompts.extend(template_prompts(seed=seed)[part])
+        else:
+            prompts.extend(load_prompts(name)[part])
     if not prompts:
         raise ValueError(f"--data {specs} selects no prompts.")
     return prompts
@@ -118,7 +132,7 @@ def run(args) -> int:
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, batch_sequences=args.batch_sequences,
                          anchors=args.anchors, loss=args.loss, checkpoint_every=args.checkpoint_every,
                          eval_every=args.eval_every, seed=args.seed)
-    accelerator = Accelerator()
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
     out = Path(args.out)
     torch.manual_seed(args.seed)
     target, tokenizer = _load_target(args.target)
@@ -126,15 +140,18 @@ def run(args) -> int:
     drafter_config = LaSpecDrafterConfig.for_target(target, block_size=args.block_size,
                                                     num_hidden_layers=args.layers,
                                                     target_model_name=args.target)
-    prompts = _prompts(args.data)
     cache = Path(args.data_cache) if args.data_cache else None
+    generate_dtype = None if args.generate_dtype == "same" else getattr(torch, args.generate_dtype)
     if cache is not None and cache.exists():
         examples = load_examples(cache)
+        prompts = _prompts(args.data, seed=args.seed)
         print(f"loaded {len(examples)} examples from {cache}")
     else:
+        prompts = _prompts(args.data, seed=args.seed)
         examples = build_examples(target, tokenizer, drafter_config.target_layer_ids, prompts=prompts,
                                   max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
-                                  samples_per_prompt=args.samples_per_prompt, temperature=args.sample_temperature)
+                                  samples_per_prompt=args.samples_per_prompt, temperature=args.sample_temperature,
+                                  batch_size=args.generate_batch_size, generate_dtype=generate_dtype)
         if cache is not None and accelerator.is_main_process:
             save_examples(examples, cache)
     # split by prompt, so that sampled answers to a held-out prompt never leak into training

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters.laspec import LaSpecDrafterModel, acceptance_aware_loss, accept_probs_from
+from ..drafters.laspec import LaSpecDrafterModel, acceptance_weights
 
 __all__ = ["TrainConfig", "make_batch", "evaluate_acceptance", "train_drafter"]
 
@@ -83,7 +83,8 @@ def make_batch(examples: list, block_size: int, anchors: int, generator: random.
         n = len(example)
         hidden[row, :n] = example.hidden.float()
         context_mask[row, :n] = True
-        starts = [generator.randrange(1, n) for _ in range(anchors)] if n > 1 else [0] * anchors
+        low = example.prompt_length if 1 <= example.prompt_length < n else 1  # blocks start in the answer
+        starts = [generator.randrange(low, n) for _ in range(anchors)] if n > 1 else [0] * anchors
         for a, p in enumerate(starts):
             cols = slice(a * block_size, (a + 1) * block_size)
             input_ids[row, a * block_size] = example.input_ids[p]
@@ -98,24 +99,31 @@ def make_batch(examples: list, block_size: int, anchors: int, generator: random.
             "context_mask": context_mask.to(device), "labels": labels.to(device)}
 
 
-def _forward(drafter, batch: dict, block_size: int) -> torch.Tensor:
-    """Logits `(R, A, B, V)`."""
+def _labelled_logits(drafter, batch: dict, block_size: int) -> tuple:
+    """The drafter's logits at the labelled block positions only: `(K, V)`, and the `(R, A, B)` label mask.
+
+    The LM head (the target's, a vocabulary wide) is most of a step's cost, and positions without a label
+    (past an off-policy token, past the end) need none."""
     model = drafter.module if hasattr(drafter, "module") else drafter
     context = model.encode_context(batch["context"])
     out = model.forward_block(batch["input_ids"], context, context_mask=batch["context_mask"],
-                              position_ids=batch["position_ids"], block_length=block_size)
-    rows, _, vocab = out.logits.shape
-    return out.logits.view(rows, -1, block_size, vocab)
+                              position_ids=batch["position_ids"], block_length=block_size, output_logits=False)
+    rows = out.last_hidden_state.shape[0]
+    hidden = out.last_hidden_state.view(rows, -1, block_size, out.last_hidden_state.shape[-1])  # (R, A, B, H)
+    keep = batch["labels"] != -100
+    return model.logits_from_hidden(hidden[keep]), keep
 
 
-def _loss(logits: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, logits.shape[-2], vocab)  # (R * A, B, V)
-    flat_labels = labels.reshape(-1, labels.shape[-1])
+def _loss(logits: torch.Tensor, keep: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
+    """The loss from labelled logits `(K, V)` ([`_labelled_logits`]); equals `acceptance_aware_loss` (or
+    cross-entropy) over the full `(R * A, B, V)` logits with -100 labels elsewhere (tested)."""
+    cross_entropy = F.cross_entropy(logits.float(), labels[keep], reduction="none")  # (K,)
     if kind == "ce":
-        return F.cross_entropy(flat_logits.float().transpose(1, 2), flat_labels, ignore_index=-100)
-    accept = accept_probs_from(flat_logits, flat_labels, greedy=True)
-    return acceptance_aware_loss(flat_logits, flat_labels, accept)
+        return cross_entropy.mean()
+    accept = torch.zeros(keep.shape, dtype=torch.float32, device=logits.device)
+    accept[keep] = torch.exp(-cross_entropy.detach())  # greedy a_k = q_k(t_k); 0 where there is no label
+    weights = acceptance_weights(accept.view(-1, keep.shape[-1])).view(keep.shape)[keep]
+    return (weights * cross_entropy).sum() / weights.sum().clamp_min(1e-12)
 
 
 @torch.no_grad()
@@ -137,9 +145,10 @@ def evaluate_acceptance(drafter, examples: list, block_size: int, anchors: int =
     seen = torch.zeros(block_size)
     for start in range(0, len(examples), 4):
         batch = make_batch(examples[start : start + 4], block_size, anchors, generator, device)
-        logits = _forward(model, batch, block_size)
+        logits, keep = _labelled_logits(model, batch, block_size)
         labels = batch["labels"]
-        right = (logits.argmax(-1) == labels) & (labels != -100)  # (R, A, B)
+        right = torch.zeros_like(keep)
+        right[keep] = logits.argmax(-1) == labels[keep]  # (R, A, B)
         total += float(right.long().cumprod(-1).sum(-1).float().sum())
         count += labels.shape[0] * labels.shape[1]
         hits += right.sum((0, 1)).float().cpu()
@@ -213,8 +222,9 @@ def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_exampl
     for step in bar:
         chosen = [train_examples[generator.randrange(len(train_examples))] for _ in range(config.batch_sequences)]
         batch = make_batch(chosen, block_size, config.anchors, generator, accelerator.device)
-        logits = _forward(model, batch, block_size)
-        loss = _loss(logits, batch["labels"], config.loss)
+        with accelerator.autocast():
+            logits, keep = _labelled_logits(model, batch, block_size)
+            loss = _loss(logits, keep, batch["labels"], config.loss)
         optimizer.zero_grad()
         accelerator.backward(loss)
         if config.max_grad_norm:
