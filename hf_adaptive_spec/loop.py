@@ -8,6 +8,8 @@ stopping criteria and streamer.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass, field
 
@@ -185,7 +187,12 @@ def speculative_decode(
     # 1. target prefill, exactly as plain generate runs it -> the first token
     clock = _Clock()
     prefill_kwargs = {**model_kwargs, "output_hidden_states": True} if block_drafter else model_kwargs
-    outputs = model._prefill(input_ids, generation_config, prefill_kwargs)
+    drafter = None
+    if block_drafter:
+        drafter = BlockDrafter(assistant_model, model, block_size=getattr(config, "block_size", None),
+                               num_visual_tokens=getattr(config, "num_visual_tokens", None))
+    with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext():
+        outputs = model._prefill(input_ids, generation_config, prefill_kwargs)
     if cache.get_seq_length() != input_ids.shape[1]:
         raise ValueError(
             f"{type(model).__name__} cached {cache.get_seq_length()} positions for a {input_ids.shape[1]}-token "
@@ -211,13 +218,12 @@ def speculative_decode(
     finished |= done
     stats.time_prefill += clock.lap()
 
-    drafter = None
-    if not bool(finished.all()):
+    if bool(finished.all()):
+        drafter = None
+    else:
         if block_drafter:
-            drafter = BlockDrafter(assistant_model, model, block_size=getattr(config, "block_size", None),
-                                   num_visual_tokens=getattr(config, "num_visual_tokens", None))
             drafter.prefill(prefill_hidden, slot_valid, first_token)
-            drafter.setup_vision(input_ids, prefill_hidden, cache)
+            drafter.setup_vision(prefill_hidden, cache)
             stats.time_visual += drafter.visual_time
         else:
             drafter = IndependentDrafter(assistant_model)

@@ -322,3 +322,90 @@ def test_cli_data_specs_include_the_extra_prompt_sources():
 
     prompts = _prompts(["stdlib[:5]", "templates[3:6]"])
     assert [p.dataset for p in prompts] == ["stdlib"] * 5 + ["templates"] * 3
+
+
+# ---- VLM prompts with images: the training forward sees what the decoding loop's drafter sees
+
+
+def _vision_setup(arch):
+    from hf_adaptive_spec.drafters import block as block_module
+    from tiny_models import make_inputs
+
+    target = build_model(arch).requires_grad_(False)
+    inputs = make_inputs(arch, batch_size=1)
+    torch.manual_seed(3)
+    config = LaSpecDrafterConfig.for_target(target, block_size=4, num_visual_tokens=3)
+    drafter = LaSpecDrafterModel(config).eval()
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.visual_gate.fill_(0.7)  # a trained gate: the visual branch is live
+    return target, inputs, drafter, block_module
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_vlm_examples_reproduce_every_round_of_the_loop(arch, monkeypatch):
+    """For each round of `generate(spec_strategy="laspec")` on a VLM with an image, the training forward at that
+    anchor (recorded context, per-anchor visual selection) gives the same block logits as the loop's drafter."""
+    target, inputs, drafter, block_module = _vision_setup(arch)
+    rounds = []
+    original = block_module.BlockDrafter.block_logits
+
+    def recording(self, depth):
+        logits = original(self, depth)
+        rounds.append((int(self.root_position[0]), logits[0].clone()))
+        return logits
+
+    monkeypatch.setattr(block_module.BlockDrafter, "block_logits", recording)
+    out = target.generate(**inputs, max_new_tokens=14, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 1})
+    assert torch.equal(out, target.generate(**inputs, max_new_tokens=14, do_sample=False))
+    prompt_length = inputs["input_ids"].shape[1]
+    others = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
+    example = examples_from_sequences(target, [out[0]], drafter.config.target_layer_ids,
+                                      prompt_lengths=[prompt_length], model_inputs=[others],
+                                      num_visual_tokens=3)[0]
+    assert example.visual_slots.shape == (len(example), 3) and bool((example.visual_slots >= 0).all())
+    image_tokens = int(example.visual_embeds.shape[0])
+    assert image_tokens > 3 and int(example.visual_slots.max()) < image_tokens
+    assert len(rounds) >= 3 and rounds[0][0] == prompt_length  # round 1 has visual tokens too (prefill query)
+    context = drafter.encode_context(example.hidden.float()[None])
+    for position, expected in rounds:
+        depth = expected.shape[0]
+        slots = example.visual_slots[position - 1]
+        visual = example.visual_embeds[slots].float()[None]
+        ids = torch.zeros(1, depth, dtype=torch.long)
+        ids[0, 0] = example.input_ids[position]
+        with torch.no_grad():
+            got = drafter.forward_block(ids, context, position_ids=position + torch.arange(depth)[None],
+                                        visual_embeds=visual).logits[0]
+            blind = drafter.forward_block(ids, context, position_ids=position + torch.arange(depth)[None]).logits[0]
+        # fp16-stored states: close, not bit-equal; the visual branch moves the logits far more than that
+        error, effect = (got - expected).abs().max(), (blind - expected).abs().max()
+        assert error < 2e-3 and effect > 5 * error
+
+
+def test_vlm_training_moves_the_visual_gate_and_lowers_the_loss():
+    from hf_adaptive_spec.training.data import EncodedPrompt, build_examples
+    from tiny_models import make_inputs
+
+    target = build_model("qwen2_vl").requires_grad_(False)
+    prompts = []
+    for i in range(4):
+        inputs = make_inputs("qwen2_vl", batch_size=1, prompt_lengths=[5 + i], seed=i)
+        inputs.pop("attention_mask")
+        prompts.append(EncodedPrompt(f"img/{i}", inputs))
+    config = LaSpecDrafterConfig.for_target(target, block_size=3, num_visual_tokens=4)
+    examples = build_examples(target, _CharTokenizer(), config.target_layer_ids, prompts=prompts, max_new_tokens=16,
+                              progress=False, num_visual_tokens=4)
+    assert all(e.visual_slots is not None and e.visual_slots.shape == (len(e), 4) for e in examples)
+    assert [e.prompt_length for e in examples] == [len(p.inputs["input_ids"][0]) for p in prompts]
+    batch = make_batch(examples, block_size=3, anchors=6, generator=random.Random(0), device="cpu")
+    assert batch["visual_embeds"].shape[:3] == (4, 6, 4) and bool(batch["visual_mask"].all())
+    torch.manual_seed(0)
+    drafter = LaSpecDrafterModel(config).attach_target(target)
+    result = train_drafter(drafter, examples, examples, TrainConfig(steps=40, learning_rate=1e-2, eval_every=0,
+                                                                     batch_sequences=4, anchors=8),
+                           progress=False, log=lambda *a: None)
+    losses = [row["loss"] for row in result["history"]]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert all(float(layer.visual_gate.detach().abs()) > 1e-3 for layer in drafter.layers)  # the visual branch trained

@@ -29,7 +29,7 @@ from .levels import choose_level
 from ..vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .laspec import LaSpecDrafterModel, gather_target_hidden
 
-__all__ = ["BlockDrafter", "image_token_mask"]
+__all__ = ["BlockDrafter", "choose_visual_slots", "image_token_mask"]
 
 
 def image_token_mask(model, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -46,6 +46,14 @@ def image_token_mask(model, input_ids: torch.Tensor) -> torch.Tensor | None:
     for value in ids:
         mask |= input_ids == value
     return mask if bool(mask.any()) else None
+
+
+def choose_visual_slots(queries: dict, store: VisualKeyStore, num_visual_tokens: int) -> torch.Tensor:
+    """`(B, min(M, T))` prompt slots of the visual tokens a round's block attends to, best first (-1: none),
+    from the query `{layer: (B, H, D)}` of the last accepted position (each layer votes for its top 2M)."""
+    keep = min(num_visual_tokens, store.valid.shape[1])
+    slots, _ = select_visual_tokens(queries, store, m_per_layer=2 * keep, keep=keep, timed=False)
+    return slots
 
 
 class BlockDrafter:
@@ -86,6 +94,7 @@ class BlockDrafter:
         self.visual_embeds = None  # (B, M, H) selected this round
         self.visual_valid = None
         self.capture = None
+        self.image_mask = None
         self.model_time = 0.0
         self.visual_time = 0.0
 
@@ -95,18 +104,28 @@ class BlockDrafter:
     def uses_vision(self) -> bool:
         return self.visual_store is not None
 
-    def setup_vision(self, input_ids, hidden_states, cache) -> None:
-        """After the prefill: keep the prompt's input embeddings and int8 visual keys if it has an image."""
+    def vision_context(self, input_ids):
+        """Enter around the target's PREFILL: when the prompt has an image and the visual branch is live, the
+        target's queries are captured from then on (the prompt's last query picks round 1's visual tokens)."""
         if self.num_visual_tokens <= 0 or not any(layer.visual_gate.abs().sum() > 0 for layer in self.model.layers):
-            return  # an untrained (zero) gate makes the visual branch an exact no-op: skip its cost
+            return nullcontext()  # an untrained (zero) gate makes the visual branch an exact no-op: skip its cost
         mask = image_token_mask(self.target, input_ids)
         if mask is None:
+            return nullcontext()
+        self.image_mask = mask
+        self.capture = QueryCapture(self.target, self.layer_ids)
+        return self.capture
+
+    def setup_vision(self, hidden_states, cache) -> None:
+        """After the prefill: int8 visual keys, the prompt's input embeddings, round 1's visual tokens."""
+        if self.capture is None:
             return
         start = time.perf_counter()
-        self.visual_store = VisualKeyStore.from_cache(cache, self.layer_ids, mask)
+        self.visual_store = VisualKeyStore.from_cache(cache, self.layer_ids, self.image_mask)
         self.prompt_embeds = hidden_states[0]  # (B, S, H) input embeddings, image features included
-        self.capture = QueryCapture(self.target, self.layer_ids)
         self.visual_time += time.perf_counter() - start
+        last = torch.full((self.image_mask.shape[0],), self.image_mask.shape[1] - 1, device=self.image_mask.device)
+        self.select_visual(last)  # prompts are left-padded: the last slot is every row's last prompt token
 
     def capture_context(self):
         """A context manager that records the target's queries during a forward (no-op without vision)."""
@@ -117,9 +136,7 @@ class BlockDrafter:
         if not self.uses_vision or not self.capture.queries:
             return
         start = time.perf_counter()
-        keep = min(self.num_visual_tokens, self.visual_store.valid.shape[1])
-        slots, _ = select_visual_tokens(self.capture.query_at(last_index), self.visual_store,
-                                        m_per_layer=2 * keep, keep=keep, timed=False)  # (B, M) prompt slots
+        slots = choose_visual_slots(self.capture.query_at(last_index), self.visual_store, self.num_visual_tokens)
         self.visual_valid = slots >= 0
         index = slots.clamp_min(0)[..., None].expand(-1, -1, self.prompt_embeds.shape[-1])
         self.visual_embeds = self.prompt_embeds.gather(1, index)

@@ -308,7 +308,13 @@ class LaSpecVisualCrossAttention(nn.Module):
         self.o_proj = nn.Linear(inner, config.hidden_size, bias=False)
 
     def forward(self, hidden, visual, visual_mask):
-        # hidden (B, L, hid), visual (B, M, vis), visual_mask (B, M) bool
+        # hidden (B, L, hid), visual (B, M, vis), visual_mask (B, M) bool; or one visual set per block:
+        # visual (B, nb, M, vis), visual_mask (B, nb, M), the L queries split into nb consecutive blocks
+        if visual.dim() == 4:
+            rows, blocks = visual.shape[:2]
+            per_block = hidden.reshape(rows * blocks, hidden.shape[1] // blocks, hidden.shape[2])
+            out = self.forward(per_block, visual.flatten(0, 1), visual_mask.flatten(0, 1))
+            return out.reshape(rows, hidden.shape[1], -1)
         batch, length, _ = hidden.shape
         num_visual = visual.shape[1]
         query = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
@@ -571,6 +577,10 @@ class LaSpecDrafterModel(PreTrainedModel):
         before its own first position and, causally, itself only. Training runs every anchor of a sequence in
         one row this way; the result per block equals a separate one-block call.
 
+        With several blocks, `visual_embeds` may also hold one visual set per block, `(B, L // block_length, M,
+        vision_hidden_size)` with `visual_mask` `(B, L // block_length, M)`: training gives each anchor the
+        visual tokens the decoding loop would have selected for it.
+
         `output_logits=False` skips the LM head (`logits` is None): a trainer that needs the logits at a few
         positions only maps those rows of `last_hidden_state` with [`logits_from_hidden`].
         """
@@ -589,20 +599,24 @@ class LaSpecDrafterModel(PreTrainedModel):
             context_position_ids = torch.arange(num_context, device=device).expand(batch, -1)
         if context_mask is None:
             context_mask = torch.ones(batch, num_context, dtype=torch.bool, device=device)
-        if visual_embeds is not None:
-            if visual_embeds.dim() != 3 or visual_embeds.shape[-1] != self.config.vision_hidden_size:
-                raise ValueError(
-                    f"visual_embeds must have shape (batch, M, vision_hidden_size={self.config.vision_hidden_size}); "
-                    f"got {tuple(visual_embeds.shape)}."
-                )
-            visual_embeds = visual_embeds.to(dtype)
-            if visual_mask is None:
-                visual_mask = torch.ones(visual_embeds.shape[:2], dtype=torch.bool, device=device)
-            visual_mask = visual_mask.bool()
-
         block_length = length if block_length is None else block_length
         if block_length < 1 or length % block_length:
             raise ValueError(f"block_length ({block_length}) must divide the query length ({length}).")
+        if visual_embeds is not None:
+            num_blocks = length // block_length
+            per_block = visual_embeds.dim() == 4
+            if (visual_embeds.dim() not in (3, 4) or visual_embeds.shape[0] != batch
+                    or visual_embeds.shape[-1] != self.config.vision_hidden_size
+                    or (per_block and visual_embeds.shape[1] != num_blocks)):
+                raise ValueError(
+                    f"visual_embeds must have shape (batch={batch}, M, vision_hidden_size="
+                    f"{self.config.vision_hidden_size}), or (batch, blocks={num_blocks}, M, vision_hidden_size) for "
+                    f"one set per block; got {tuple(visual_embeds.shape)}."
+                )
+            visual_embeds = visual_embeds.to(dtype)
+            if visual_mask is None:
+                visual_mask = torch.ones(visual_embeds.shape[:-1], dtype=torch.bool, device=device)
+            visual_mask = visual_mask.bool()
         hidden = self._embed_block(input_ids, embedding, dtype, block_length)  # (B, L, hid)
 
         # keys = [context (C) ; block (L)]: valid context strictly before the block, causal inside the block

@@ -22,7 +22,26 @@ import torch
 
 from ..drafters.laspec import gather_target_hidden
 
-__all__ = ["DrafterExample", "build_examples", "examples_from_sequences", "load_examples", "save_examples"]
+__all__ = ["DrafterExample", "EncodedPrompt", "build_examples", "examples_from_sequences", "load_examples", "save_examples"]
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt already encoded by the target's processor, batch of one: e.g. a VLM prompt with an image.
+
+    `inputs` holds `input_ids` `(1, S)` and the model's other inputs (`attention_mask`, `pixel_values`,
+    `image_grid_thw`, `mm_token_type_ids`, ...), as `processor.apply_chat_template(..., return_dict=True,
+    return_tensors="pt")` returns them.
+    """
+
+    id: str
+    inputs: dict
+
+
+def _cut_at_eos(answer: torch.Tensor, eos) -> torch.Tensor:
+    if eos is not None and bool((answer == eos).any()):
+        return answer[: int((answer == eos).nonzero()[0]) + 1]
+    return answer
 
 
 @dataclass
@@ -35,35 +54,87 @@ class DrafterExample:
     on_policy: torch.Tensor  # (L,) bool: input_ids[t + 1] == labels[t] (False at the last position)
     source: str = ""
     prompt_length: int = 0  # tokens before the answer (0 for plain text): blocks are anchored in the answer
+    visual_embeds: torch.Tensor | None = None  # (T, H) fp16: the target's input embeddings at the image tokens
+    visual_slots: torch.Tensor | None = None  # (L, M) long: indices into visual_embeds picked by the query at t
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
 
+_TEXT_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # per-token type ids: 0 on the generated text
+
+
 @torch.no_grad()
 def examples_from_sequences(target, sequences: list, layer_ids: list, sources: list | None = None,
-                            prompt_lengths: list | None = None) -> list:
+                            prompt_lengths: list | None = None, model_inputs: list | None = None,
+                            num_visual_tokens: int = 8) -> list:
     """Teacher-force the target over each `(L,)` token sequence: its fused hidden states, greedy labels and
-    on-policy flags ([`DrafterExample`]). `prompt_lengths[i]` is where sequence i's answer starts (0: plain text)."""
+    on-policy flags ([`DrafterExample`]).
+
+    Args:
+        prompt_lengths: where each sequence's answer starts (0: plain text, blocks anchored anywhere).
+        model_inputs: per sequence, the prompt's other model inputs (`pixel_values`, `image_grid_thw`, ...,
+            batch of one) for a VLM prompt with an image, else None. Such a sequence also records what the
+            decoding loop's visual selection would give a block anchored after each position t: the
+            `num_visual_tokens` image tokens picked by the target's query at t (int8 keys, cross-layer vote;
+            [`~hf_adaptive_spec.drafters.block.choose_visual_slots`]), and the image tokens' input embeddings.
+    """
+    from transformers import DynamicCache
+
+    from ..drafters.block import choose_visual_slots, image_token_mask
+    from ..vision import QueryCapture, VisualKeyStore
+
     sources = sources if sources is not None else [""] * len(sequences)
     prompt_lengths = prompt_lengths if prompt_lengths is not None else [0] * len(sequences)
+    model_inputs = model_inputs if model_inputs is not None else [None] * len(sequences)
     device = target.device
     examples = []
-    for ids, source, prompt_length in zip(sequences, sources, prompt_lengths):
-        out = target(input_ids=ids[None].to(device), output_hidden_states=True, use_cache=False)
+    for ids, source, prompt_length, extra in zip(sequences, sources, prompt_lengths, model_inputs):
+        ids = ids.to(device)
+        visual_embeds = visual_slots = None
+        mask = image_token_mask(target, ids[None]) if extra and num_visual_tokens > 0 else None
+        if mask is None:
+            out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+        else:
+            extra = {key: value.to(device) if torch.is_tensor(value) else value for key, value in extra.items()}
+            for key in _TEXT_TYPE_KEYS:  # extend per-token type ids over the answer (text)
+                if key in extra:
+                    extra[key] = torch.cat([extra[key], extra[key].new_zeros(1, len(ids) - extra[key].shape[1])], 1)
+            cache = DynamicCache(config=target.config)
+            with QueryCapture(target, layer_ids) as capture:
+                out = target(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], past_key_values=cache,
+                             use_cache=True, output_hidden_states=True, **extra)
+            store = VisualKeyStore.from_cache(cache, layer_ids, mask)
+            queries = {layer: query[0].transpose(0, 1) for layer, query in capture.queries.items()}  # (L, H, D)
+            slots = []
+            for first in range(0, len(ids), 32):  # each position's query as its own row, against the same keys
+                rows = min(32, len(ids) - first)
+                per_position = VisualKeyStore(
+                    {layer: q.expand(rows, *q.shape[1:]) for layer, q in store.quantized.items()},
+                    {layer: c.expand(rows, *c.shape[1:]) for layer, c in store.scales.items()},
+                    store.positions.expand(rows, -1), store.valid.expand(rows, -1), store.counts * rows)
+                chunk = {layer: query[first : first + rows] for layer, query in queries.items()}
+                slots.append(choose_visual_slots(chunk, per_position, num_visual_tokens))
+            slots = torch.cat(slots)  # (L, M) sequence indices, -1: none
+            image_positions = store.positions[0]  # (T,) ascending
+            local = torch.searchsorted(image_positions, slots.clamp_min(0))
+            visual_slots = local.masked_fill(slots < 0, -1).cpu()
+            visual_embeds = out.hidden_states[0][0, image_positions].to("cpu", torch.float16)
         hidden = gather_target_hidden(out.hidden_states, layer_ids)[0].to("cpu", torch.float16)
         labels = out.logits[0].argmax(-1).cpu()
         ids = ids.cpu()
         on_policy = torch.zeros_like(ids, dtype=torch.bool)
         on_policy[:-1] = ids[1:] == labels[:-1]
-        examples.append(DrafterExample(ids, hidden, labels, on_policy, source, int(prompt_length)))
+        examples.append(DrafterExample(ids, hidden, labels, on_policy, source, int(prompt_length), visual_embeds,
+                                       visual_slots))
     return examples
 
 
 @torch.no_grad()
 def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=(), max_new_tokens: int = 128,
                    batch_size: int = 8, max_text_tokens: int = 256, progress: bool = True,
-                   samples_per_prompt: int = 1, temperature: float = 0.7, generate_dtype=None) -> list:
+                   samples_per_prompt: int = 1, temperature: float = 0.7, generate_dtype=None,
+                   num_visual_tokens: int = 8) -> list:
     """Examples from the target's greedy answers to `prompts` and from plain `texts`.
 
     Args:
@@ -71,7 +142,8 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
         tokenizer: its tokenizer (a chat template is used when it has one).
         layer_ids (`list[int]`): target layers the drafter reads (`config.target_layer_ids`).
         prompts: chat prompts (`hf_adaptive_spec.data.Prompt` or a list of messages); the target answers each
-            greedily with up to `max_new_tokens` tokens, `batch_size` prompts at a time.
+            greedily with up to `max_new_tokens` tokens, `batch_size` prompts at a time. A VLM prompt with an
+            image comes as an [`EncodedPrompt`] (the processor's output), answered on its own.
         texts: plain strings, cut to `max_text_tokens` tokens, teacher-forced only.
         samples_per_prompt (`int`): answers per prompt: the greedy one, plus `samples_per_prompt - 1` sampled at
             `temperature` (more varied prefixes; their labels are still the target's greedy choices, and a block
@@ -80,6 +152,8 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
             `torch.bfloat16`: about 1.7x faster on a CPU with AMX). Labels and hidden states still come from
             `target` itself, and a block trains only across the answer's tokens that `target` would choose
             greedily, so a token where the copy disagrees is simply not trained across.
+        num_visual_tokens (`int`): M, visual tokens recorded per position for prompts with images (the drafter's
+            `config.num_visual_tokens`).
 
     Returns:
         list of [`DrafterExample`].
@@ -88,7 +162,9 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
 
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}.")
-    sequences, sources, prompt_lengths = [], [], []
+    sequences, sources, prompt_lengths, extras = [], [], [], []
+    encoded_prompts = [prompt for prompt in prompts if isinstance(prompt, EncodedPrompt)]
+    prompts = [prompt for prompt in prompts if not isinstance(prompt, EncodedPrompt)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generator = target if generate_dtype is None or generate_dtype == target.dtype else (
         copy.deepcopy(target).to(generate_dtype))
@@ -101,7 +177,8 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
             ids = tokenizer(messages[-1]["content"])["input_ids"]
         all_encoded.append((prompt, torch.tensor(ids, dtype=torch.long)))
     all_encoded.sort(key=lambda pair: len(pair[1]))  # similar lengths batch together: less padding
-    bar = tqdm(total=len(all_encoded) + len(texts), desc="target data", disable=not progress)
+    bar = tqdm(total=len(all_encoded) + len(encoded_prompts) + len(texts), desc="target data",
+               disable=not progress)
     for start in range(0, len(all_encoded), batch_size):
         chunk = [prompt for prompt, _ in all_encoded[start : start + batch_size]]
         encoded = [ids for _, ids in all_encoded[start : start + batch_size]]
@@ -117,24 +194,41 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
                                      attention_mask=attention_mask.to(target.device), max_new_tokens=max_new_tokens,
                                      pad_token_id=pad, **sampling)
             for row, (prompt, ids) in enumerate(zip(chunk, encoded)):
-                answer = out[row, width:].cpu()
-                eos = tokenizer.eos_token_id
-                if eos is not None and (answer == eos).any():
-                    answer = answer[: int((answer == eos).nonzero()[0]) + 1]
+                answer = _cut_at_eos(out[row, width:].cpu(), tokenizer.eos_token_id)
                 sequences.append(torch.cat([ids, answer]))
                 sources.append(getattr(prompt, "id", "prompt"))
                 prompt_lengths.append(len(ids))
+                extras.append(None)
         bar.update(len(chunk))
+    for prompt in encoded_prompts:  # one at a time: each has its own image(s)
+        inputs = {key: value.to(target.device) if torch.is_tensor(value) else value
+                  for key, value in prompt.inputs.items()}
+        if inputs["input_ids"].shape[0] != 1:
+            raise ValueError(f"EncodedPrompt {prompt.id!r} must hold a batch of one; got input_ids "
+                             f"{tuple(inputs['input_ids'].shape)}.")
+        ids = inputs["input_ids"][0].cpu()
+        others = {key: value for key, value in prompt.inputs.items() if key not in ("input_ids", "attention_mask")}
+        for sample in range(samples_per_prompt):
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if sample else {"do_sample": False}
+            out = generator.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
+            answer = _cut_at_eos(out[0, len(ids):].cpu(), tokenizer.eos_token_id)
+            sequences.append(torch.cat([ids, answer]))
+            sources.append(prompt.id)
+            prompt_lengths.append(len(ids))
+            extras.append(others)
+        bar.update(1)
     for i, text in enumerate(texts):
         ids = tokenizer(text)["input_ids"][:max_text_tokens]
         if len(ids) >= 8:
             sequences.append(torch.tensor(ids, dtype=torch.long))
             sources.append(f"text/{i}")
             prompt_lengths.append(0)
+            extras.append(None)
         bar.update(1)
     bar.close()
     del generator
-    return examples_from_sequences(target, sequences, list(layer_ids), sources, prompt_lengths)
+    return examples_from_sequences(target, sequences, list(layer_ids), sources, prompt_lengths, extras,
+                                   num_visual_tokens=num_visual_tokens)
 
 
 def save_examples(examples: list, path) -> None:

@@ -68,7 +68,8 @@ def make_batch(examples: list, block_size: int, anchors: int, generator: random.
     """Tensors for one step: `examples` padded to one length, `anchors` blocks per sequence.
 
     Returns a dict with `input_ids` `(R, A * B)`, `position_ids` `(R, A * B)`, `context` hidden `(R, L, F)`,
-    `context_mask` `(R, L)`, `labels` `(R, A, B)` (-100 = not trained).
+    `context_mask` `(R, L)`, `labels` `(R, A, B)` (-100 = not trained), and when an example has an image,
+    `visual_embeds` `(R, A, M, H)` / `visual_mask` `(R, A, M)`: each anchor's selected visual tokens.
     """
     length = max(len(example) for example in examples)
     rows = len(examples)
@@ -79,6 +80,11 @@ def make_batch(examples: list, block_size: int, anchors: int, generator: random.
     position_ids = torch.zeros(rows, anchors * block_size, dtype=torch.long)
     labels = torch.full((rows, anchors, block_size), -100, dtype=torch.long)
     offsets = torch.arange(block_size)
+    with_images = [example for example in examples if example.visual_slots is not None]
+    if with_images:  # each block sees the visual tokens the loop would select for its anchor
+        num_visual = with_images[0].visual_slots.shape[1]
+        visual_embeds = torch.zeros(rows, anchors, num_visual, with_images[0].visual_embeds.shape[-1])
+        visual_mask = torch.zeros(rows, anchors, num_visual, dtype=torch.bool)
     for row, example in enumerate(examples):
         n = len(example)
         hidden[row, :n] = example.hidden.float()
@@ -89,14 +95,21 @@ def make_batch(examples: list, block_size: int, anchors: int, generator: random.
             cols = slice(a * block_size, (a + 1) * block_size)
             input_ids[row, a * block_size] = example.input_ids[p]
             position_ids[row, cols] = p + offsets
+            if with_images and example.visual_slots is not None and p > 0:
+                slots = example.visual_slots[p - 1]  # picked by the query of the position before the anchor
+                visual_mask[row, a] = slots >= 0
+                visual_embeds[row, a] = example.visual_embeds[slots.clamp_min(0)].float()
             # position k predicts the token after p + k; trained while p+1..p+k are the target's greedy tokens
             for k in range(block_size):
                 t = p + k
                 if t >= n or (k > 0 and not bool(example.on_policy[t - 1])):
                     break
                 labels[row, a, k] = example.labels[t]
-    return {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "context": hidden.to(device),
-            "context_mask": context_mask.to(device), "labels": labels.to(device)}
+    batch = {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "context": hidden.to(device),
+             "context_mask": context_mask.to(device), "labels": labels.to(device)}
+    if with_images:
+        batch["visual_embeds"], batch["visual_mask"] = visual_embeds.to(device), visual_mask.to(device)
+    return batch
 
 
 def _labelled_logits(drafter, batch: dict, block_size: int) -> tuple:
@@ -107,7 +120,8 @@ def _labelled_logits(drafter, batch: dict, block_size: int) -> tuple:
     model = drafter.module if hasattr(drafter, "module") else drafter
     context = model.encode_context(batch["context"])
     out = model.forward_block(batch["input_ids"], context, context_mask=batch["context_mask"],
-                              position_ids=batch["position_ids"], block_length=block_size, output_logits=False)
+                              position_ids=batch["position_ids"], block_length=block_size, output_logits=False,
+                              visual_embeds=batch.get("visual_embeds"), visual_mask=batch.get("visual_mask"))
     rows = out.last_hidden_state.shape[0]
     hidden = out.last_hidden_state.view(rows, -1, block_size, out.last_hidden_state.shape[-1])  # (R, A, B, H)
     keep = batch["labels"] != -100
