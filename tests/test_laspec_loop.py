@@ -76,6 +76,23 @@ def test_laspec_greedy_equals_plain(arch, batch_size):
         assert out.spec_stats.rounds >= 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
+def test_laspec_with_a_draft_vocabulary_equals_plain(arch):
+    """Drafting over a subset of the vocabulary that misses some of the greedy tokens changes nothing."""
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    new_tokens = expected[:, inputs["input_ids"].shape[1]:].unique()
+    vocab = torch.tensor(sorted(set(range(0, 128, 3)) - set(new_tokens[::2].tolist())))
+    assert not bool(torch.isin(new_tokens, vocab).all())  # some greedy tokens cannot be drafted
+    drafter = _drafter(target).set_draft_vocabulary(vocab)
+    out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", spec_config={"verify_cost": False}, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    drafted = out.spec_stats.drafted_tokens
+    assert drafted > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
 def test_oracle_block_is_accepted_whole(arch, monkeypatch):
     target = build_model(arch)

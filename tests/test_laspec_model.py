@@ -255,3 +255,34 @@ def test_drafter_for_a_vlm_target_reads_selected_visual_tokens():
         gated_open = drafter(**batch, visual_embeds=visual).logits
     assert plain.shape == (2, BLOCK, VOCAB_SIZE)
     assert torch.equal(plain, gated_shut) and not torch.allclose(plain, gated_open)
+
+
+def test_draft_vocabulary_scores_only_its_tokens_and_survives_save_load(target, tmp_path):
+    register_auto_classes()
+    drafter = _drafter(target)
+    inputs, _ = _inputs(target, drafter)
+    with torch.no_grad():
+        out = drafter(**inputs)
+        full = drafter.draft_logits(out.last_hidden_state)
+        assert torch.equal(full, out.logits)  # no draft vocabulary: the whole LM head
+        subset = torch.tensor([40, 3, 77, 12, 100])
+        drafter.set_draft_vocabulary(subset)
+        assert drafter.config.draft_vocab_size == 5
+        draft = drafter.draft_logits(out.last_hidden_state)
+    outside = torch.ones(VOCAB_SIZE, dtype=torch.bool)
+    outside[subset] = False
+    assert torch.isneginf(draft[..., outside]).all()
+    torch.testing.assert_close(draft[..., subset], out.logits[..., subset])
+    drafter.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path).attach_target(target).eval()
+    assert torch.equal(loaded.draft_vocab, subset) and loaded.config.draft_vocab_size == 5
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.draft_logits(out.last_hidden_state), draft)
+    with pytest.raises(ValueError, match="distinct"):
+        drafter.set_draft_vocabulary([3, 3])
+    with pytest.raises(ValueError, match="lie in"):
+        drafter.set_draft_vocabulary([VOCAB_SIZE])
+    drafter.set_draft_vocabulary(None)
+    assert drafter.draft_vocab is None and drafter.config.draft_vocab_size is None
+    with torch.no_grad():
+        assert torch.equal(drafter.draft_logits(out.last_hidden_state), out.logits)

@@ -127,6 +127,17 @@ def test_speculative_sampling_follows_the_target(models, strategy):
     assert _chi_square_p_value(counts, exact) > ALPHA
 
 
+def test_speculative_sampling_with_a_draft_vocabulary_follows_the_target(models):
+    """A drafter that scores only some tokens (q = 0 on the rest): the target's distribution is still exact."""
+    target, _ = models
+    drafter = _laspec_drafter(target)
+    vocab_size = drafter.config.vocab_size
+    drafter.set_draft_vocabulary(torch.arange(0, vocab_size, 2))  # every other token is never drafted
+    exact = _exact_joint(target)
+    counts = _speculative_counts(target, drafter, "laspec", CASES["laspec"])
+    assert _chi_square_p_value(counts, exact) > ALPHA
+
+
 def _with_replacement_update(p, q, token):
     residual = (p - q).clamp_min(0)
     return residual / residual.sum(-1, keepdim=True).clamp_min(1e-30), q  # q(x) is not removed

@@ -409,3 +409,20 @@ def test_vlm_training_moves_the_visual_gate_and_lowers_the_loss():
     losses = [row["loss"] for row in result["history"]]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert all(float(layer.visual_gate.detach().abs()) > 1e-3 for layer in drafter.layers)  # the visual branch trained
+
+
+def test_frequent_tokens_counts_the_answers():
+    from hf_adaptive_spec.training.data import DrafterExample, frequent_tokens
+
+    def example(labels, prompt_length):
+        labels = torch.tensor(labels)
+        n = len(labels)
+        return DrafterExample(labels.clone(), torch.zeros(n, 2), labels, torch.zeros(n, dtype=torch.bool), "x",
+                              prompt_length)
+
+    # answers start at position 2 (prompt_length 3): labels from index 2 on count; plain text counts whole
+    examples = [example([9, 9, 5, 5, 7], 3), example([7, 1, 1], 0)]
+    ids, coverage = frequent_tokens(examples, 2)
+    assert ids.tolist() == [1, 5] and coverage == pytest.approx(4 / 6)  # 1 x2, 5 x2, 7 x2: ties by id
+    ids, coverage = frequent_tokens(examples, 3)
+    assert ids.tolist() == [1, 5, 7] and coverage == 1.0

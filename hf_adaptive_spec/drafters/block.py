@@ -185,9 +185,11 @@ class BlockDrafter:
         start = time.perf_counter()
         out = model.forward_block(input_ids, self.context, context_mask=self.context_valid,
                                   context_position_ids=self.context_positions, position_ids=positions,
-                                  visual_embeds=self.visual_embeds, visual_mask=self.visual_valid)
+                                  visual_embeds=self.visual_embeds, visual_mask=self.visual_valid,
+                                  output_logits=False)
+        logits = model.draft_logits(out.last_hidden_state)  # the draft vocabulary only, when the drafter has one
         self.model_time += time.perf_counter() - start
-        return out.logits
+        return logits
 
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None) -> DraftTree:

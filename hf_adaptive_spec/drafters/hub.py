@@ -110,13 +110,20 @@ def write_model_card(folder, info: dict) -> Path:
         f"- drafter: {config.get('num_hidden_layers')} layer(s), hidden {config.get('hidden_size')}, "
         f"{info.get('num_parameters', '?')} parameters, block {config.get('block_size')}",
         f"- training time: {info.get('train_seconds', 0):.0f} s on {info.get('device', '?')}",
-        "",
-        "## Measured",
     ]
+    vocab = info.get("draft_vocab")
+    if vocab:
+        lines.append(f"- draft vocabulary: the {vocab['size']} tokens the target produced most often in the training "
+                     f"answers ({100 * vocab['train_coverage']:.2f}% of them); the drafter never proposes others, "
+                     "the target still verifies every token")
+    lines += ["", "## Measured"]
     if last:
         lines.append(f"- held-out teacher-forced chain acceptance: {last['accepted']:.3f} tokens per block "
                      f"(tau_chain {last['tau_chain']:.3f}); per-position top-1 "
                      f"{[round(x, 3) for x in last['top1']]}")
+    for row in info.get("bench", []):
+        lines.append(f"- `hf-adaptive-spec bench` ({row['setting']}): {row['prompts']}: tau {row['tau']:.2f}, "
+                     f"{row['speedup']:.2f}x over plain greedy decoding")
     for row in info.get("generate_eval", []):
         lines.append(f"- `generate(spec_strategy=\"laspec\")` on {row['prompt']}: tau {row['tau']:.2f}, "
                      f"{row['speedup']:.2f}x over plain greedy (same output: {row['same']})")

@@ -95,6 +95,10 @@ class LaSpecDrafterConfig(PreTrainedConfig):
         max_position_embeddings (`int`, defaults to 4096): informational (RoPE is computed on the fly).
         target_model_name (`str`, *optional*): the target this drafter was trained for (model card).
         initializer_range (`float`, defaults to 0.02).
+        draft_vocab_size (`int`, *optional*): when set, drafting (not training) scores only these many tokens,
+            the target's most frequent ones (the `draft_vocab` buffer, [`LaSpecDrafterModel.set_draft_vocabulary`]):
+            the LM head is the drafter's largest cost and, on a CPU, memory-bound. Other tokens are never drafted
+            (the target still verifies every token, so outputs do not change).
 
     Examples:
         >>> config = LaSpecDrafterConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64,
@@ -124,6 +128,7 @@ class LaSpecDrafterConfig(PreTrainedConfig):
     target_model_name: str | None = None
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
+    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -154,6 +159,8 @@ class LaSpecDrafterConfig(PreTrainedConfig):
             raise ValueError("target_layer_ids must name at least one target layer.")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id ({self.mask_token_id}) must lie in [0, vocab_size={self.vocab_size}).")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size ({self.draft_vocab_size}) must lie in [1, vocab_size={self.vocab_size}].")
 
     @classmethod
     def for_target(cls, target, **overrides) -> LaSpecDrafterConfig:
@@ -413,8 +420,13 @@ class LaSpecDrafterModel(PreTrainedModel):
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size)) if config.mask_token_id is None else None
         self.layers = nn.ModuleList(LaSpecDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
+        else:
+            self.draft_vocab = None
         # the target's (embedding, lm_head): plain references, never sub-modules (not saved, not moved)
         self.__dict__["_target_modules"] = None
+        self.__dict__["_draft_head"] = None  # (key, weight rows of draft_vocab), rebuilt when either changes
         self.post_init()
 
     def _init_weights(self, module):
@@ -495,6 +507,46 @@ class LaSpecDrafterModel(PreTrainedModel):
         if self.mask_embedding is None:
             return embedded
         return torch.where(is_first[None, :, None], embedded, self.mask_embedding.to(dtype))
+
+    def set_draft_vocabulary(self, token_ids) -> LaSpecDrafterModel:
+        """Draft over `token_ids` only (e.g. the target's most frequent tokens, [`~hf_adaptive_spec.training.data.
+        frequent_tokens`]); `None` restores the full vocabulary. Saved with the model (`draft_vocab` buffer)."""
+        self.__dict__["_draft_head"] = None
+        if token_ids is None:
+            if "draft_vocab" in self._buffers:
+                del self._buffers["draft_vocab"]
+            self.draft_vocab = None
+            self.config.draft_vocab_size = None
+            return self
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be non-empty and lie in [0, {self.config.vocab_size}).")
+        if token_ids.unique().numel() != token_ids.numel():
+            raise ValueError("draft vocabulary ids must be distinct.")
+        if "draft_vocab" not in self._buffers:
+            del self.draft_vocab
+        self.register_buffer("draft_vocab", token_ids.to(self.context_proj.weight.device))
+        self.config.draft_vocab_size = int(token_ids.numel())
+        return self
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Decoding-time logits `(..., vocab_size)` from `last_hidden_state`: with a draft vocabulary, only its
+        rows of the LM head are computed (a cached copy) and every other token gets -inf."""
+        if self.draft_vocab is None:
+            return self.logits_from_hidden(hidden)
+        lm_head = self._target()[1]
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight.device, weight.dtype, weight._version, self.draft_vocab.data_ptr())
+        cached = self.__dict__.get("_draft_head")
+        if cached is None or cached[0] != key:
+            rows = weight.detach()[self.draft_vocab]
+            bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()[self.draft_vocab]
+            cached = (key, rows, bias)
+            self.__dict__["_draft_head"] = cached
+        _, rows, bias = cached
+        partial = F.linear(hidden.to(rows.dtype), rows, bias)  # (..., draft_vocab_size)
+        logits = partial.new_full((*partial.shape[:-1], self.config.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.draft_vocab, partial)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head (held fixed) over `last_hidden_state` rows `(..., target_hidden_size)`."""

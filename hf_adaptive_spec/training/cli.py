@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     parser.add_argument("--eval-generate", type=int, default=0,
                         help="after training, run generate(spec_strategy='laspec') on N held-out prompts")
+    parser.add_argument("--draft-vocab-size", type=int, default=16384,
+                        help="draft over the N tokens the target produced most often in the training answers "
+                             "(a smaller LM head per round; outputs never change); 0 keeps the full vocabulary")
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                         help="dtype of the saved weights (they load in the target's dtype)")
     parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the final folder")
@@ -171,6 +174,14 @@ def run(args) -> int:
     if not accelerator.is_main_process:
         return 0
     drafter.eval()
+    draft_vocab = None
+    if 0 < args.draft_vocab_size < drafter.config.vocab_size:
+        from .data import frequent_tokens
+
+        ids, coverage = frequent_tokens(train_examples, args.draft_vocab_size)
+        drafter.set_draft_vocabulary(ids)
+        draft_vocab = {"size": int(ids.numel()), "train_coverage": coverage}
+        print(f"draft vocabulary: {ids.numel()} tokens, {100 * coverage:.2f}% of the training answers' tokens")
     generate_eval = []
     if args.eval_generate:
         chosen = [p for p in prompts if p.id in held_out][: args.eval_generate]
@@ -180,8 +191,10 @@ def run(args) -> int:
     drafter.to(target.dtype)
     info = {
         "target": args.target,
-        "data_description": f"the target's greedy answers ({args.max_new_tokens} tokens max) to the prompts "
-                            f"{' '.join(args.data)} (hf_adaptive_spec.data order), teacher-forced",
+        "data_description": (
+            f"the target's greedy answers{f' (plus {args.samples_per_prompt - 1} sampled at T={args.sample_temperature})' if args.samples_per_prompt > 1 else ''}"
+            f" ({args.max_new_tokens} tokens max) to the prompts {' '.join(args.data)} (hf_adaptive_spec "
+            f"order), teacher-forced; blocks anchored in the answers"),
         "num_train_examples": len(train_examples),
         "num_train_tokens": sum(len(e) for e in train_examples),
         "num_eval_examples": len(eval_examples),
@@ -191,6 +204,7 @@ def run(args) -> int:
         "train_seconds": train_seconds,
         "device": str(accelerator.device),
         "generate_eval": generate_eval,
+        "draft_vocab": draft_vocab,
         "train_prompt_ids": sorted({e.source for e in train_examples}),
         "eval_prompt_ids": sorted({e.source for e in eval_examples}),
     }

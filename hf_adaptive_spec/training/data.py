@@ -22,7 +22,7 @@ import torch
 
 from ..drafters.laspec import gather_target_hidden
 
-__all__ = ["DrafterExample", "EncodedPrompt", "build_examples", "examples_from_sequences", "load_examples", "save_examples"]
+__all__ = ["DrafterExample", "EncodedPrompt", "build_examples", "frequent_tokens", "examples_from_sequences", "load_examples", "save_examples"]
 
 
 @dataclass
@@ -229,6 +229,31 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     del generator
     return examples_from_sequences(target, sequences, list(layer_ids), sources, prompt_lengths, extras,
                                    num_visual_tokens=num_visual_tokens)
+
+
+def frequent_tokens(examples: list, size: int) -> tuple[torch.Tensor, float]:
+    """The `size` tokens the target produces most often in `examples` (its greedy choices over the answers; all
+    positions of plain text), most frequent first, and the share of those choices they cover.
+
+    For [`~hf_adaptive_spec.LaSpecDrafterModel.set_draft_vocabulary`]: a drafter that scores only these tokens
+    misses the rest (coverage < 1) but runs a much smaller LM head."""
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}.")
+    counts = None
+    for example in examples:
+        labels = example.labels[max(example.prompt_length - 1, 0):]
+        found = torch.bincount(labels, minlength=1)
+        if counts is None or counts.numel() < found.numel():
+            grown = torch.zeros(found.numel(), dtype=torch.long)
+            if counts is not None:
+                grown[: counts.numel()] = counts
+            counts = grown
+        counts[: found.numel()] += found
+    if counts is None or int(counts.sum()) == 0:
+        raise ValueError("frequent_tokens needs examples with at least one label.")
+    order = torch.sort(counts, descending=True, stable=True).indices[:size]
+    coverage = float(counts[order].sum()) / float(counts.sum())
+    return order, coverage
 
 
 def save_examples(examples: list, path) -> None:
