@@ -138,14 +138,20 @@ def test_drafter_context_equals_recomputation(arch, recorded):
     with torch.no_grad():
         reference = target(**full, output_hidden_states=True)
         fused = gather_target_hidden(reference.hidden_states, drafter.config.target_layer_ids)
-        expected = drafter.encode_context(fused)
+        encoded = drafter.encode_context(fused)
+        expected = drafter.context_kv(encoded, full_mask.long().cumsum(-1) - 1)  # every layer's keys/values
     for row in range(2):
-        got = state.context[row][state.context_valid[row]]
-        positions = state.context_positions[row][state.context_valid[row]]
+        kept = state.context_valid[row]
+        positions = state.context_positions[row][kept]
+        count = int(kept.sum())
+        assert positions.tolist() == list(range(count))
         real = full_mask[row].bool()
-        want = expected[row][real][: got.shape[0]]
-        assert positions.tolist() == list(range(got.shape[0]))
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for layer in range(len(drafter.layers)):
+            for got_all, want_all in ((state.context.keys[layer], expected.keys[layer]),
+                                      (state.context.values[layer], expected.values[layer])):
+                got = got_all[row][:, kept]  # (H_kv, count, D)
+                want = want_all[row][:, real][:, :count]
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # everything but the final bonus token (not yet run by the target) is in the context
     assert int(state.context_valid.sum(-1).min()) >= out.shape[1] - inputs["input_ids"].shape[1] - 1
 

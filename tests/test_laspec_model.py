@@ -286,3 +286,21 @@ def test_draft_vocabulary_scores_only_its_tokens_and_survives_save_load(target, 
     assert drafter.draft_vocab is None and drafter.config.draft_vocab_size is None
     with torch.no_grad():
         assert torch.equal(drafter.draft_logits(out.last_hidden_state), out.logits)
+
+
+def test_precomputed_context_keys_values_give_the_same_block(target):
+    drafter = _drafter(target)
+    inputs, visual = _inputs(target, drafter)
+    with torch.no_grad():
+        context = drafter.encode_context(inputs["target_hidden"])
+        positions = torch.arange(context.shape[1]).expand(context.shape[0], -1)
+        expected = drafter.forward_block(inputs["input_ids"], context, position_ids=inputs["position_ids"],
+                                         visual_embeds=visual).logits
+        head, tail = drafter.context_kv(context[:, :7], positions[:, :7]), drafter.context_kv(context[:, 7:],
+                                                                                              positions[:, 7:])
+        cached = head.extend(tail)  # built in two pieces, as the loop does
+        got = drafter.forward_block(inputs["input_ids"], cached, context_position_ids=positions,
+                                    position_ids=inputs["position_ids"], visual_embeds=visual).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="context_position_ids"):
+        drafter.forward_block(inputs["input_ids"], cached, position_ids=inputs["position_ids"])

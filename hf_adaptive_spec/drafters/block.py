@@ -1,7 +1,8 @@
 """The LaSpec block drafter in the decoding loop: one drafter forward per round, from the target's own states.
 
 State between rounds, per row: the drafter's context (the target's fused hidden
-states at every committed position, projected once by the drafter and kept),
+states at every committed position, encoded and projected to each drafter layer's
+keys/values once, then kept),
 and the pending root (the target's bonus token, not yet run by the target).
 A round runs `[root, MASK, ...]` once and gets `block_size` next-token
 distributions; the strategy turns them into a tree level by level (every node
@@ -84,7 +85,7 @@ class BlockDrafter:
         bad = [layer for layer in self.layer_ids if not 0 <= layer < num_layers]
         if bad:
             raise ValueError(f"The drafter reads target layers {bad}, but the target has {num_layers} layers.")
-        self.context = None  # (B, C, hidden) projected context
+        self.context = None  # ContextKV: the context's keys/values in every drafter layer
         self.context_valid = None  # (B, C)
         self.context_positions = None  # (B, C)
         self.root = None  # (B,) pending token
@@ -151,9 +152,9 @@ class BlockDrafter:
 
     def prefill(self, hidden_states, slot_valid: torch.Tensor, first_token: torch.Tensor) -> None:
         """Context from the target's prefill hidden states; the first generated token is the pending root."""
-        self.context = self._encode(hidden_states)
         self.context_valid = slot_valid
         self.context_positions = slot_valid.long().cumsum(-1) - 1
+        self.context = self.model.context_kv(self._encode(hidden_states), self.context_positions)
         self.root = first_token
         self.root_position = slot_valid.sum(-1)
 
@@ -165,9 +166,10 @@ class BlockDrafter:
         new = fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1]))
         offsets = torch.arange(keep, device=index.device)[None, :]
         valid = offsets <= accept_length[:, None]
-        self.context = torch.cat([self.context, new], dim=1)
+        positions = self.root_position[:, None] + offsets
+        self.context = self.context.extend(self.model.context_kv(new, positions))  # keys/values, projected once
         self.context_valid = torch.cat([self.context_valid, valid], dim=1)
-        self.context_positions = torch.cat([self.context_positions, self.root_position[:, None] + offsets], dim=1)
+        self.context_positions = torch.cat([self.context_positions, positions], dim=1)
         self.root_position = self.root_position + accept_length + 1
         self.root = bonus
 

@@ -49,6 +49,7 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 __all__ = [
+    "ContextKV",
     "LaSpecDrafterConfig",
     "LaSpecDrafterModel",
     "LaSpecDrafterOutput",
@@ -284,16 +285,19 @@ class LaSpecSelfAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, num_heads, self.head_dim).transpose(1, 2)  # (B, h, L, D)
 
+    def context_kv(self, context, context_rope):
+        """The context's keys (post-RoPE) and values, `(B, H_kv, C, D)` each."""
+        keys = _apply_rope(self._heads(self.k_proj(context), self.num_kv_heads), *context_rope)
+        return keys, self._heads(self.v_proj(context), self.num_kv_heads)
+
     def forward(self, hidden, context, block_rope, context_rope, allowed):
-        # hidden (B, L, hid), context (B, C, hid), allowed (B, 1, L, C + L) bool
+        # hidden (B, L, hid), context (B, C, hid) or its precomputed (keys, values); allowed (B, 1, L, C + L) bool
         batch, length, _ = hidden.shape
         query = _apply_rope(self._heads(self.q_proj(hidden), self.num_heads), *block_rope)  # (B, H, L, D)
-        keys = torch.cat([
-            _apply_rope(self._heads(self.k_proj(context), self.num_kv_heads), *context_rope),
-            _apply_rope(self._heads(self.k_proj(hidden), self.num_kv_heads), *block_rope),
-        ], dim=2)  # (B, H_kv, C + L, D)
-        values = torch.cat([self._heads(self.v_proj(context), self.num_kv_heads),
-                            self._heads(self.v_proj(hidden), self.num_kv_heads)], dim=2)
+        context_keys, context_values = context if isinstance(context, tuple) else self.context_kv(context, context_rope)
+        keys = torch.cat([context_keys, _apply_rope(self._heads(self.k_proj(hidden), self.num_kv_heads), *block_rope)],
+                         dim=2)  # (B, H_kv, C + L, D)
+        values = torch.cat([context_values, self._heads(self.v_proj(hidden), self.num_kv_heads)], dim=2)
         groups = self.num_heads // self.num_kv_heads
         keys = keys.repeat_interleave(groups, dim=1)  # (B, H, C + L, D)
         values = values.repeat_interleave(groups, dim=1)
@@ -368,6 +372,30 @@ class LaSpecDecoderLayer(nn.Module):
             cross = self.visual_attn(self.visual_layernorm(hidden), visual, visual_mask)
             hidden = hidden + torch.tanh(self.visual_gate).to(cross.dtype) * cross
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@dataclass
+class ContextKV:
+    """The context's keys (post-RoPE) and values in every drafter layer, `(B, H_kv, C, D)` each.
+
+    Every round of a decoding loop would recompute them from the same encoded context; a loop builds them
+    once per committed position ([`LaSpecDrafterModel.context_kv`]) and extends them ([`extend`]).
+    """
+
+    keys: list
+    values: list
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    def extend(self, other: ContextKV) -> ContextKV:
+        return ContextKV([torch.cat([a, b], dim=2) for a, b in zip(self.keys, other.keys)],
+                         [torch.cat([a, b], dim=2) for a, b in zip(self.values, other.values)])
 
 
 @dataclass
@@ -609,10 +637,18 @@ class LaSpecDrafterModel(PreTrainedModel):
         dtype = self.context_proj.weight.dtype
         return self.context_norm(self.context_proj(target_hidden.to(dtype)))
 
+    @torch.no_grad()
+    def context_kv(self, context: torch.Tensor, context_position_ids: torch.Tensor) -> ContextKV:
+        """Every layer's keys/values of an encoded context `(B, C, hidden_size)` at text positions `(B, C)`:
+        pass the result as `context` to [`forward_block`] (the same output, without re-projecting it)."""
+        rope = _rope_cos_sin(context_position_ids, self.config.head_dim, self.config.rope_theta, context.dtype)
+        pairs = [layer.self_attn.context_kv(context, rope) for layer in self.layers]
+        return ContextKV([keys for keys, _ in pairs], [values for _, values in pairs])
+
     def forward_block(
         self,
         input_ids: torch.Tensor,
-        context: torch.Tensor,
+        context,
         context_mask: torch.Tensor | None = None,
         visual_embeds: torch.Tensor | None = None,
         visual_mask: torch.Tensor | None = None,
@@ -622,7 +658,8 @@ class LaSpecDrafterModel(PreTrainedModel):
         block_length: int | None = None,
         output_logits: bool = True,
     ) -> LaSpecDrafterOutput:
-        """[`forward`] with an already encoded context `(B, C, hidden_size)` ([`encode_context`]).
+        """[`forward`] with an already encoded context `(B, C, hidden_size)` ([`encode_context`]), or its keys and
+        values ([`ContextKV`] from [`context_kv`], at `context_position_ids`): the decoding loop's form.
 
         `block_length` (default: L, one block) splits the L query positions into consecutive blocks of that
         length, each with its own anchor (its first column's token and position): a block sees the context
@@ -640,11 +677,20 @@ class LaSpecDrafterModel(PreTrainedModel):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must have shape (batch, block); got {tuple(input_ids.shape)}.")
         batch, length = input_ids.shape
-        if context.dim() != 3 or context.shape[0] != batch or context.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"context must have shape (batch={batch}, C, hidden_size={self.config.hidden_size}); "
-                             f"got {tuple(context.shape)}.")
-        num_context = context.shape[1]
-        device, dtype = context.device, self.context_proj.weight.dtype
+        precomputed = isinstance(context, ContextKV)
+        if precomputed:
+            if context.batch_size != batch or len(context.keys) != len(self.layers):
+                raise ValueError(f"context (ContextKV) must hold batch {batch} and {len(self.layers)} layers; got "
+                                 f"batch {context.batch_size} and {len(context.keys)} layers.")
+            if context_position_ids is None:
+                raise ValueError("forward_block with a ContextKV needs the context_position_ids it was built at.")
+            num_context = context.length
+        else:
+            if context.dim() != 3 or context.shape[0] != batch or context.shape[-1] != self.config.hidden_size:
+                raise ValueError(f"context must have shape (batch={batch}, C, hidden_size={self.config.hidden_size}); "
+                                 f"got {tuple(context.shape)}.")
+            num_context = context.shape[1]
+        device, dtype = input_ids.device, self.context_proj.weight.dtype
         if position_ids is None:
             position_ids = (num_context + torch.arange(length, device=device)).expand(batch, -1)
         if context_position_ids is None:
@@ -679,11 +725,13 @@ class LaSpecDrafterModel(PreTrainedModel):
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril() & same_block  # (L, L)
         allowed = torch.cat([context_visible, causal.expand(batch, length, length)], dim=-1)[:, None]  # (B,1,L,C+L)
         block_rope = _rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
-        context_rope = _rope_cos_sin(context_position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+        context_rope = None if precomputed else _rope_cos_sin(context_position_ids, self.config.head_dim,
+                                                               self.config.rope_theta, dtype)
 
         all_hidden = (hidden,) if output_hidden_states else None
-        for layer in self.layers:
-            hidden = layer(hidden, context, block_rope, context_rope, allowed, visual_embeds, visual_mask)
+        for index, layer in enumerate(self.layers):
+            layer_context = (context.keys[index], context.values[index]) if precomputed else context
+            hidden = layer(hidden, layer_context, block_rope, context_rope, allowed, visual_embeds, visual_mask)
             if output_hidden_states:
                 all_hidden += (hidden,)
         hidden = self.norm(hidden)
