@@ -426,3 +426,32 @@ def test_frequent_tokens_counts_the_answers():
     assert ids.tolist() == [1, 5] and coverage == pytest.approx(4 / 6)  # 1 x2, 5 x2, 7 x2: ties by id
     ids, coverage = frequent_tokens(examples, 3)
     assert ids.tolist() == [1, 5, 7] and coverage == 1.0
+
+
+def test_image_prompts_file(tmp_path, monkeypatch):
+    from hf_adaptive_spec import cli as main_cli
+    from hf_adaptive_spec.training.cli import image_prompts
+    from hf_adaptive_spec.training.data import EncodedPrompt
+
+    seen = []
+
+    def fake_chat_inputs(processor, text, image_path):
+        seen.append((text, image_path))
+        return {"input_ids": torch.tensor([[1, 2, 3]]), "pixel_values": torch.zeros(1, 3, 8, 8)}
+
+    monkeypatch.setattr(main_cli, "_chat_inputs", fake_chat_inputs)
+    (tmp_path / "a.png").write_bytes(b"png")
+    file = tmp_path / "prompts.jsonl"
+    file.write_text('{"image": "a.png", "prompt": "What shape?", "id": "shapes/0"}\n\n{"image": "a.png", "prompt": "Color?"}\n')
+    processor = SimpleNamespace(image_processor=object())
+    prompts = image_prompts(file, processor)
+    assert [p.id for p in prompts] == ["shapes/0", "image/3"] and all(isinstance(p, EncodedPrompt) for p in prompts)
+    assert seen == [("What shape?", str(tmp_path / "a.png")), ("Color?", str(tmp_path / "a.png"))]
+    with pytest.raises(ValueError, match="no image processor"):
+        image_prompts(file, SimpleNamespace())
+    file.write_text('{"image": "missing.png", "prompt": "x"}\n')
+    with pytest.raises(ValueError, match="does not exist"):
+        image_prompts(file, processor)
+    file.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="expected"):
+        image_prompts(file, processor)

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="prompt sets as DATASET[START:END] (default: humaneval[24:] mtbench[24:]); besides the "
                              "benchmark sets: 'stdlib[:N]' (HumanEval-style tasks from the Python standard library) "
                              "and 'templates[:N]' (assistant requests in MT-Bench's categories from fixed templates)")
+    parser.add_argument("--image-prompts", default=None, metavar="FILE.jsonl",
+                        help="VLM targets: extra prompts with images, one JSON object per line: "
+                             "{\"image\": PATH, \"prompt\": TEXT, \"id\": NAME} (paths relative to the file)")
     parser.add_argument("--data-cache", default=None, help="reuse / store the target-made examples in this file")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="target answer length per prompt")
     parser.add_argument("--samples-per-prompt", type=int, default=1,
@@ -78,8 +81,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _load_target(name: str):
     from ..cli import load_model
 
-    model, processor = load_model(name)
-    return model, getattr(processor, "tokenizer", processor)
+    return load_model(name)  # (model, processor or tokenizer)
+
+
+def image_prompts(path, processor) -> list:
+    """`EncodedPrompt`s from a JSON-lines file of `{"image": PATH, "prompt": TEXT, "id": ...}` (image paths
+    relative to the file), encoded with the VLM's processor and chat template."""
+    from ..cli import _chat_inputs
+    from .data import EncodedPrompt
+
+    path = Path(path)
+    if not hasattr(processor, "image_processor"):
+        raise ValueError(f"--image-prompts {path}: the target has no image processor (is it a VLM?).")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            image, text = path.parent / row["image"], row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: expected {{\"image\": PATH, \"prompt\": TEXT}}, got {line!r}.") from error
+        if not image.is_file():
+            raise ValueError(f"{path}:{number}: image {image} does not exist.")
+        inputs = _chat_inputs(processor, text, str(image))
+        prompts.append(EncodedPrompt(str(row.get("id", f"image/{number}")), dict(inputs)))
+    if not prompts:
+        raise ValueError(f"--image-prompts {path} holds no prompts.")
+    return prompts
 
 
 def _prompts(specs: list, seed: int = 0) -> list:
@@ -103,9 +132,15 @@ def _prompts(specs: list, seed: int = 0) -> list:
 def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> list:
     from ..bench import encode_prompt
 
+    from .data import EncodedPrompt
+
     rows = []
     for prompt in prompts:
-        inputs = encode_prompt(tokenizer, prompt.messages, target.device)
+        if isinstance(prompt, EncodedPrompt):
+            inputs = {key: value.to(target.device) if torch.is_tensor(value) else value
+                      for key, value in prompt.inputs.items()}
+        else:
+            inputs = encode_prompt(tokenizer, prompt.messages, target.device)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         target.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=pad)
         start = time.perf_counter()
@@ -138,7 +173,8 @@ def run(args) -> int:
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     out = Path(args.out)
     torch.manual_seed(args.seed)
-    target, tokenizer = _load_target(args.target)
+    target, processor = _load_target(args.target)
+    tokenizer = getattr(processor, "tokenizer", processor)
     target = target.to(accelerator.device).eval().requires_grad_(False)
     drafter_config = LaSpecDrafterConfig.for_target(target, block_size=args.block_size,
                                                     num_hidden_layers=args.layers,
@@ -151,10 +187,13 @@ def run(args) -> int:
         print(f"loaded {len(examples)} examples from {cache}")
     else:
         prompts = _prompts(args.data, seed=args.seed)
+        if args.image_prompts:
+            prompts += image_prompts(args.image_prompts, processor)
         examples = build_examples(target, tokenizer, drafter_config.target_layer_ids, prompts=prompts,
                                   max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
                                   samples_per_prompt=args.samples_per_prompt, temperature=args.sample_temperature,
-                                  batch_size=args.generate_batch_size, generate_dtype=generate_dtype)
+                                  batch_size=args.generate_batch_size, generate_dtype=generate_dtype,
+                                  num_visual_tokens=drafter_config.num_visual_tokens)
         if cache is not None and accelerator.is_main_process:
             save_examples(examples, cache)
     # split by prompt, so that sampled answers to a held-out prompt never leak into training
