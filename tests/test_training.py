@@ -455,3 +455,19 @@ def test_image_prompts_file(tmp_path, monkeypatch):
     file.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="expected"):
         image_prompts(file, processor)
+
+
+def test_vlm_examples_without_visual_tokens_still_see_the_image():
+    from tiny_models import make_inputs
+
+    target = build_model("llava").requires_grad_(False)
+    inputs = make_inputs("llava", batch_size=1)
+    others = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
+    config = LaSpecDrafterConfig.for_target(target)
+    sequence = inputs["input_ids"][0]
+    example = examples_from_sequences(target, [sequence], config.target_layer_ids, model_inputs=[others],
+                                      num_visual_tokens=0)[0]
+    assert example.visual_slots is None
+    with torch.no_grad():
+        expected = target(**inputs).logits[0].argmax(-1)
+    assert torch.equal(example.labels, expected)  # the image was part of the forward

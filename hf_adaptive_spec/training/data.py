@@ -92,14 +92,14 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
     for ids, source, prompt_length, extra in zip(sequences, sources, prompt_lengths, model_inputs):
         ids = ids.to(device)
         visual_embeds = visual_slots = None
+        extra = {key: value.to(device) if torch.is_tensor(value) else value for key, value in (extra or {}).items()}
+        for key in _TEXT_TYPE_KEYS:  # extend per-token type ids over the answer (text)
+            if key in extra:
+                extra[key] = torch.cat([extra[key], extra[key].new_zeros(1, len(ids) - extra[key].shape[1])], 1)
         mask = image_token_mask(target, ids[None]) if extra and num_visual_tokens > 0 else None
-        if mask is None:
-            out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+        if mask is None:  # text, or no visual tokens wanted: the image inputs still go in
+            out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False, **extra)
         else:
-            extra = {key: value.to(device) if torch.is_tensor(value) else value for key, value in extra.items()}
-            for key in _TEXT_TYPE_KEYS:  # extend per-token type ids over the answer (text)
-                if key in extra:
-                    extra[key] = torch.cat([extra[key], extra[key].new_zeros(1, len(ids) - extra[key].shape[1])], 1)
             cache = DynamicCache(config=target.config)
             with QueryCapture(target, layer_ids) as capture:
                 out = target(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], past_key_values=cache,
