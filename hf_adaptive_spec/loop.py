@@ -9,7 +9,6 @@ stopping criteria and streamer.
 from __future__ import annotations
 
 import contextlib
-
 import time
 from dataclasses import dataclass, field
 
