@@ -158,12 +158,13 @@ class BlockDrafter:
         self.root = first_token
         self.root_position = slot_valid.sum(-1)
 
+    @torch.no_grad()
     def commit(self, tree: DraftTree, hidden_states, path_index, accept_length, bonus) -> None:
         """Append the target's states at the root and accepted nodes; the bonus becomes the next root."""
         keep = int(accept_length.max()) + 1
-        fused = self._encode(hidden_states)  # (B, N, hidden)
         index = path_index[:, :keep]
-        new = fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1]))
+        fused = gather_target_hidden(hidden_states, self.layer_ids)  # (B, N, F): all tree nodes
+        new = self.model.encode_context(fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1])))
         offsets = torch.arange(keep, device=index.device)[None, :]
         valid = offsets <= accept_length[:, None]
         positions = self.root_position[:, None] + offsets

@@ -59,6 +59,7 @@ __all__ = [
     "make_block_inputs",
     "acceptance_weights",
     "acceptance_aware_loss",
+    "acceptance_weighted_mean",
     "accept_probs_from",
 ]
 
@@ -448,10 +449,8 @@ class LaSpecDrafterModel(PreTrainedModel):
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size)) if config.mask_token_id is None else None
         self.layers = nn.ModuleList(LaSpecDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.draft_vocab_size is not None:
-            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
-        else:
-            self.draft_vocab = None
+        vocab = None if config.draft_vocab_size is None else torch.arange(config.draft_vocab_size)
+        self.register_buffer("draft_vocab", vocab)  # None: the full vocabulary (a None buffer is not saved)
         # the target's (embedding, lm_head): plain references, never sub-modules (not saved, not moved)
         self.__dict__["_target_modules"] = None
         self.__dict__["_draft_head"] = None  # (key, weight rows of draft_vocab), rebuilt when either changes
@@ -540,21 +539,15 @@ class LaSpecDrafterModel(PreTrainedModel):
         """Draft over `token_ids` only (e.g. the target's most frequent tokens, [`~hf_adaptive_spec.training.data.
         frequent_tokens`]); `None` restores the full vocabulary. Saved with the model (`draft_vocab` buffer)."""
         self.__dict__["_draft_head"] = None
-        if token_ids is None:
-            if "draft_vocab" in self._buffers:
-                del self._buffers["draft_vocab"]
-            self.draft_vocab = None
-            self.config.draft_vocab_size = None
-            return self
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-        if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"draft vocabulary ids must be non-empty and lie in [0, {self.config.vocab_size}).")
-        if token_ids.unique().numel() != token_ids.numel():
-            raise ValueError("draft vocabulary ids must be distinct.")
-        if "draft_vocab" not in self._buffers:
-            del self.draft_vocab
-        self.register_buffer("draft_vocab", token_ids.to(self.context_proj.weight.device))
-        self.config.draft_vocab_size = int(token_ids.numel())
+        if token_ids is not None:
+            token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+            if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
+                raise ValueError(f"draft vocabulary ids must be non-empty and lie in [0, {self.config.vocab_size}).")
+            if token_ids.unique().numel() != token_ids.numel():
+                raise ValueError("draft vocabulary ids must be distinct.")
+            token_ids = token_ids.to(self.context_proj.weight.device)
+        self.draft_vocab = token_ids  # a registered buffer: saved with the model unless None
+        self.config.draft_vocab_size = None if token_ids is None else int(token_ids.numel())
         return self
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -789,14 +782,20 @@ def acceptance_aware_loss(
     Returns:
         Scalar `torch.FloatTensor`.
     """
-    weights = acceptance_weights(accept_probs).float()  # (B, K)
     keep = labels != -100
     if mask is not None:
         keep = keep & mask.bool()
     cross_entropy = F.cross_entropy(
         logits.float().transpose(1, 2), labels.masked_fill(~keep, 0), reduction="none"
     )  # (B, K)
-    weights = weights * keep
+    return acceptance_weighted_mean(cross_entropy, accept_probs, keep)
+
+
+def acceptance_weighted_mean(cross_entropy: torch.Tensor, accept_probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k CE_k / sum_k w_k over the kept `(B, K)` positions, w from [`acceptance_weights`]: the
+    acceptance-aware loss from per-position cross-entropies (a trainer that computes them only where there
+    is a label scatters them into `(B, K)` first)."""
+    weights = acceptance_weights(accept_probs).float() * keep
     return (weights * cross_entropy).sum() / weights.sum().clamp_min(1e-12)
 
 

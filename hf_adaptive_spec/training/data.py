@@ -166,7 +166,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     encoded_prompts = [prompt for prompt in prompts if isinstance(prompt, EncodedPrompt)]
     prompts = [prompt for prompt in prompts if not isinstance(prompt, EncodedPrompt)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generator = target if generate_dtype is None or generate_dtype == target.dtype else (
+    answerer = target if generate_dtype is None or generate_dtype == target.dtype else (
         copy.deepcopy(target).to(generate_dtype))
     all_encoded = []
     for prompt in prompts:
@@ -190,7 +190,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
             attention_mask[row, width - len(ids):] = 1
         for sample in range(samples_per_prompt):
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if sample else {"do_sample": False}
-            out = generator.generate(input_ids=input_ids.to(target.device),
+            out = answerer.generate(input_ids=input_ids.to(target.device),
                                      attention_mask=attention_mask.to(target.device), max_new_tokens=max_new_tokens,
                                      pad_token_id=pad, **sampling)
             for row, (prompt, ids) in enumerate(zip(chunk, encoded)):
@@ -210,7 +210,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
         others = {key: value for key, value in prompt.inputs.items() if key not in ("input_ids", "attention_mask")}
         for sample in range(samples_per_prompt):
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if sample else {"do_sample": False}
-            out = generator.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
+            out = answerer.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
             answer = _cut_at_eos(out[0, len(ids):].cpu(), tokenizer.eos_token_id)
             sequences.append(torch.cat([ids, answer]))
             sources.append(prompt.id)
@@ -226,7 +226,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
             extras.append(None)
         bar.update(1)
     bar.close()
-    del generator
+    del answerer
     return examples_from_sequences(target, sequences, list(layer_ids), sources, prompt_lengths, extras,
                                    num_visual_tokens=num_visual_tokens)
 
@@ -239,17 +239,9 @@ def frequent_tokens(examples: list, size: int) -> tuple[torch.Tensor, float]:
     misses the rest (coverage < 1) but runs a much smaller LM head."""
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}.")
-    counts = None
-    for example in examples:
-        labels = example.labels[max(example.prompt_length - 1, 0):]
-        found = torch.bincount(labels, minlength=1)
-        if counts is None or counts.numel() < found.numel():
-            grown = torch.zeros(found.numel(), dtype=torch.long)
-            if counts is not None:
-                grown[: counts.numel()] = counts
-            counts = grown
-        counts[: found.numel()] += found
-    if counts is None or int(counts.sum()) == 0:
+    answers = [example.labels[max(example.prompt_length - 1, 0):] for example in examples]
+    counts = torch.bincount(torch.cat(answers)) if answers else torch.zeros(0, dtype=torch.long)
+    if int(counts.sum()) == 0:
         raise ValueError("frequent_tokens needs examples with at least one label.")
     order = torch.sort(counts, descending=True, stable=True).indices[:size]
     coverage = float(counts[order].sum()) / float(counts.sum())

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters.laspec import LaSpecDrafterModel, acceptance_weights
+from ..drafters.laspec import LaSpecDrafterModel, acceptance_weighted_mean
 
 __all__ = ["TrainConfig", "make_batch", "evaluate_acceptance", "train_drafter"]
 
@@ -136,8 +136,9 @@ def _loss(logits: torch.Tensor, keep: torch.Tensor, labels: torch.Tensor, kind: 
         return cross_entropy.mean()
     accept = torch.zeros(keep.shape, dtype=torch.float32, device=logits.device)
     accept[keep] = torch.exp(-cross_entropy.detach())  # greedy a_k = q_k(t_k); 0 where there is no label
-    weights = acceptance_weights(accept.view(-1, keep.shape[-1])).view(keep.shape)[keep]
-    return (weights * cross_entropy).sum() / weights.sum().clamp_min(1e-12)
+    per_position = torch.zeros_like(accept).masked_scatter(keep, cross_entropy)
+    block = keep.shape[-1]
+    return acceptance_weighted_mean(per_position.view(-1, block), accept.view(-1, block), keep.view(-1, block))
 
 
 @torch.no_grad()
