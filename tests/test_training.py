@@ -46,6 +46,21 @@ def test_examples_hold_the_targets_states_and_greedy_labels(setup):
     assert torch.equal(example.labels, logits.argmax(-1))
 
 
+def test_batched_teacher_forcing_equals_one_sequence_at_a_time(setup):
+    target, config, examples = setup
+    sequences = [example.input_ids[: 9 + 2 * i] for i, example in enumerate(examples)]  # 10 lengths
+    sources = [f"s/{i}" for i in range(len(sequences))]
+    lengths = [i % 4 for i in range(len(sequences))]
+    single = examples_from_sequences(target, sequences, config.target_layer_ids, sources, lengths)
+    batched = examples_from_sequences(target, sequences, config.target_layer_ids, sources, lengths,
+                                      batch_tokens=60)  # several right-padded batches of mixed lengths
+    assert [e.source for e in batched] == sources and [e.prompt_length for e in batched] == lengths
+    for one, many in zip(single, batched):
+        assert torch.equal(one.input_ids, many.input_ids) and torch.equal(one.labels, many.labels)
+        assert torch.equal(one.on_policy, many.on_policy)
+        torch.testing.assert_close(one.hidden, many.hidden, atol=2e-3, rtol=2e-3)
+
+
 def test_save_and_load_examples(setup, tmp_path):
     _, _, examples = setup
     save_examples(examples[:2], tmp_path / "data.pt")
@@ -69,6 +84,31 @@ def test_make_batch_trains_only_on_policy_prefixes(setup):
                 assert row[k] == -100
             else:
                 assert row[k] == example.labels[t]
+
+
+def test_make_batch_labels_equal_a_per_position_loop(setup):
+    _, _, examples = setup
+    rng = torch.Generator().manual_seed(3)
+    changed = []
+    for i, example in enumerate(examples[:6]):  # random off-policy tokens and answer starts
+        on_policy = example.on_policy & (torch.rand(len(example), generator=rng) > 0.3)
+        changed.append(type(example)(example.input_ids, example.hidden, example.labels, on_policy,
+                                     prompt_length=i % 3 * 4))
+    batch = make_batch(changed, 4, 16, random.Random(7), "cpu")
+    generator = random.Random(7)
+    for row, example in enumerate(changed):
+        n = len(example)
+        low = example.prompt_length if 1 <= example.prompt_length < n else 1
+        for a in range(16):
+            p = generator.randrange(low, n)
+            assert int(batch["input_ids"][row, a * 4]) == int(example.input_ids[p])
+            assert batch["position_ids"][row, a * 4 : a * 4 + 4].tolist() == [p, p + 1, p + 2, p + 3]
+            expected = [-100] * 4
+            for k in range(4):
+                if p + k >= n or (k > 0 and not bool(example.on_policy[p + k - 1])):
+                    break
+                expected[k] = int(example.labels[p + k])
+            assert batch["labels"][row, a].tolist() == expected
 
 
 def test_all_blocks_in_one_row_equal_separate_calls(setup):
@@ -118,6 +158,47 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(setup, tmp_path):
     assert any("checkpoint-4" in line for line in logs)
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_max_seconds_plans_fewer_steps_and_anneals_the_rate(setup, tmp_path, monkeypatch):
+    from hf_adaptive_spec.training import trainer
+
+    _, _, examples = setup
+    clock = [0.0]  # a fake clock: every step takes exactly 1 s, an evaluation 10 s
+
+    def fake_time():
+        return clock[0]
+
+    real_make_batch, real_evaluate = trainer.make_batch, trainer.evaluate_acceptance
+
+    def timed_batch(*args, **kwargs):
+        clock[0] += 1.0
+        return real_make_batch(*args, **kwargs)
+
+    def timed_evaluate(*args, **kwargs):
+        clock[0] += 10.0
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.time, "perf_counter", fake_time)
+    monkeypatch.setattr(trainer, "make_batch", timed_batch)
+    monkeypatch.setattr(trainer, "evaluate_acceptance", timed_evaluate)
+    drafter = _fresh(setup)
+    config = TrainConfig(steps=10_000, max_seconds=100, probe_steps=10, eval_every=20, checkpoint_every=0,
+                         batch_sequences=1, anchors=2, learning_rate=1e-3)
+    logs = []
+    result = trainer.train_drafter(drafter, examples[:8], examples[8:], config, out_dir=tmp_path, progress=False,
+                                   log=logs.append)
+    run = result["config"]["steps_run"]
+    # planned at step 10: 0.95 * 90 s left at 1 s/step -> 95 steps; the evaluations (10 s each) make it late,
+    # and it re-plans at each one: never past the budget by more than one evaluation, far fewer than 10_000
+    assert len(result["history"]) == run and 10 < run < 95
+    assert clock[0] <= 100 + 10 + 1
+    assert any("planning 95 steps" in line for line in logs) and any("running late" in line for line in logs)
+    assert result["evals"][-1]["step"] == run  # the final evaluation happens at the planned end
+    assert (tmp_path / f"checkpoint-{run}").is_dir()
+    # the schedule follows the plan: it peaks and decays to ~0 at the planned end, not at 10_000
+    rates = [entry["lr"] for entry in result["history"]]
+    assert max(rates) > 0.9e-3 and rates[-1] < 0.05 * max(rates)
 
 
 def test_train_config_validation():
@@ -320,8 +401,50 @@ def test_template_prompts():
 def test_cli_data_specs_include_the_extra_prompt_sources():
     from hf_adaptive_spec.training.cli import _prompts
 
-    prompts = _prompts(["stdlib[:5]", "templates[3:6]"])
-    assert [p.dataset for p in prompts] == ["stdlib"] * 5 + ["templates"] * 3
+    prompts = _prompts(["stdlib[:5]", "templates[3:6]", "stdlib_methods[:2]", "docs[:1]"])
+    assert [p.dataset for p in prompts] == ["stdlib"] * 5 + ["templates"] * 3 + ["stdlib_methods"] * 2 + ["docs"]
+
+
+def test_stdlib_method_and_doc_prompts():
+    import ast
+
+    from hf_adaptive_spec.training.prompts import PROMPT_SOURCES, doc_prompts, stdlib_method_prompts
+
+    methods = stdlib_method_prompts(seed=0)
+    assert len(methods) >= 200 and len({p.id for p in methods}) == len(methods)
+    assert [p.id for p in methods] == [p.id for p in stdlib_method_prompts(seed=0)]
+    for prompt in methods[:100]:
+        content = prompt.messages[0]["content"]
+        code = content.split("```python\n", 1)[1].rsplit("```", 1)[0]
+        cls = ast.parse(code).body[0]  # a class line around one method's signature and docstring
+        method = cls.body[0]
+        assert isinstance(cls, ast.ClassDef) and f"`{method.name}` of the class `{cls.name}`" in content
+        assert ast.get_docstring(method)
+    docs = doc_prompts(seed=0)
+    assert len(docs) >= 200 and len({p.messages[0]["content"] for p in docs}) == len(docs)
+    assert {p.category for p in docs} <= {"extraction", "writing", "coding", "stem"}
+    assert len({p.messages[0]["content"].split("\n")[0] for p in docs}) > 5  # several kinds of request
+    assert set(PROMPT_SOURCES) == {"stdlib", "stdlib_methods", "templates", "docs"}
+
+
+def test_prompts_file(tmp_path):
+    from hf_adaptive_spec.training.cli import prompts_file
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "Say hi."}\n\n{"id": "x", "messages": [{"role": "user", "content": "Hello"}]}\n')
+    prompts = prompts_file(path)
+    assert [p.id for p in prompts] == ["mine.jsonl/1", "x"]
+    assert prompts[0].messages == [{"role": "user", "content": "Say hi."}]
+    assert prompts[1].messages == [{"role": "user", "content": "Hello"}]
+    path.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(ValueError, match="mine.jsonl:2"):
+        prompts_file(path)
+    path.write_text('{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(ValueError, match="mine.jsonl:1"):
+        prompts_file(path)
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        prompts_file(path)
 
 
 # ---- VLM prompts with images: the training forward sees what the decoding loop's drafter sees

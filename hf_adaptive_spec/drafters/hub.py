@@ -105,7 +105,8 @@ def write_model_card(folder, info: dict) -> Path:
         f"tokens), {info.get('num_eval_examples', '?')} held-out sequences",
         f"- loss: `{train.get('loss')}` (acceptance-aware = cross-entropy weighted by the chance each block "
         "position is reached; ce = plain cross-entropy)",
-        f"- steps {train.get('steps')}, learning rate {train.get('learning_rate')}, {train.get('batch_sequences')} "
+        f"- steps {train.get('steps_run', train.get('steps'))}, learning rate {train.get('learning_rate')}, "
+        f"{train.get('batch_sequences')} "
         f"sequences x {train.get('anchors')} anchors per step, seed {train.get('seed')}",
         f"- drafter: {config.get('num_hidden_layers')} layer(s), hidden {config.get('hidden_size')}, "
         f"{info.get('num_parameters', '?')} parameters, block {config.get('block_size')}",

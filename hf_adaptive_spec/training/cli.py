@@ -36,8 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output folder (checkpoints, final drafter, model card)")
     parser.add_argument("--data", nargs="+", default=["humaneval[24:]", "mtbench[24:]"],
                         help="prompt sets as DATASET[START:END] (default: humaneval[24:] mtbench[24:]); besides the "
-                             "benchmark sets: 'stdlib[:N]' (HumanEval-style tasks from the Python standard library) "
-                             "and 'templates[:N]' (assistant requests in MT-Bench's categories from fixed templates)")
+                             "benchmark sets: 'stdlib[:N]' and 'stdlib_methods[:N]' (HumanEval-style tasks from "
+                             "the Python standard library's functions / methods), 'templates[:N]' (assistant requests in "
+                             "MT-Bench's categories from fixed templates) and 'docs[:N]' (requests about the "
+                             "standard library's docstrings: summarize, extract, explain, ...)")
+    parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                        help="extra chat prompts, one JSON object per line: {\"prompt\": TEXT} or "
+                             "{\"messages\": [...]}, optional \"id\"")
     parser.add_argument("--image-prompts", default=None, metavar="FILE.jsonl",
                         help="VLM targets: extra prompts with images, one JSON object per line: "
                              "{\"image\": PATH, \"prompt\": TEXT, \"id\": NAME} (paths relative to the file)")
@@ -61,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--loss", choices=["acceptance", "ce"], default="acceptance")
     parser.add_argument("--checkpoint-every", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--max-train-seconds", type=float, default=0.0,
+                        help="time budget of the training steps: plan fewer than --steps if they would not fit "
+                             "(timed over the first 30 steps; the learning-rate schedule follows the plan)")
+    parser.add_argument("--teacher-batch-tokens", type=int, default=0,
+                        help="teacher-force the answers in batches of about N tokens (e.g. 16384 on a GPU; "
+                             "0: one sequence at a time)")
     parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
                         help="bf16 autocast for the drafter's training forward (CPUs with AMX, recent GPUs)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
@@ -113,19 +124,43 @@ def image_prompts(path, processor) -> list:
 
 def _prompts(specs: list, seed: int = 0) -> list:
     from ..data import load_prompts
-    from .prompts import stdlib_code_prompts, template_prompts
+    from .prompts import PROMPT_SOURCES
 
     prompts = []
     for spec in specs:
         name, part = parse_data_spec(spec)
-        if name == "stdlib":
-            prompts.extend(stdlib_code_prompts(seed=seed)[part])
-        elif name == "templates":
-            prompts.extend(template_prompts(seed=seed)[part])
+        if name in PROMPT_SOURCES:
+            prompts.extend(PROMPT_SOURCES[name](seed=seed)[part])
         else:
             prompts.extend(load_prompts(name)[part])
-    if not prompts:
+    if not prompts and specs:
         raise ValueError(f"--data {specs} selects no prompts.")
+    return prompts
+
+
+def prompts_file(path) -> list:
+    """Chat prompts from a JSON-lines file: one object per line, `{"prompt": TEXT}` or `{"messages": [{"role":
+    ..., "content": ...}, ...]}`, with an optional `"id"` (default `FILE/LINE`)."""
+    from ..data import Prompt
+
+    path = Path(path)
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+            if not (isinstance(messages, list) and messages and all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in messages)):
+                raise TypeError("messages")
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: expected {{\"prompt\": TEXT}} or {{\"messages\": [{{\"role\": "
+                             f"..., \"content\": TEXT}}, ...]}}, got {line[:200]!r}.") from error
+        prompts.append(Prompt(str(row.get("id", f"{path.name}/{number}")), "file", str(row.get("category", "file")),
+                              messages))
+    if not prompts:
+        raise ValueError(f"--prompts {path} holds no prompts.")
     return prompts
 
 
@@ -169,7 +204,7 @@ def run(args) -> int:
         raise SystemExit("--eval-fraction must lie in [0, 1).")
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, batch_sequences=args.batch_sequences,
                          anchors=args.anchors, loss=args.loss, checkpoint_every=args.checkpoint_every,
-                         eval_every=args.eval_every, seed=args.seed)
+                         eval_every=args.eval_every, seed=args.seed, max_seconds=args.max_train_seconds)
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     out = Path(args.out)
     torch.manual_seed(args.seed)
@@ -181,19 +216,21 @@ def run(args) -> int:
                                                     target_model_name=args.target)
     cache = Path(args.data_cache) if args.data_cache else None
     generate_dtype = None if args.generate_dtype == "same" else getattr(torch, args.generate_dtype)
+    prompts = _prompts(args.data, seed=args.seed)
+    if args.prompts:
+        prompts += prompts_file(args.prompts)
     if cache is not None and cache.exists():
         examples = load_examples(cache)
-        prompts = _prompts(args.data, seed=args.seed)
         print(f"loaded {len(examples)} examples from {cache}")
     else:
-        prompts = _prompts(args.data, seed=args.seed)
         if args.image_prompts:
             prompts += image_prompts(args.image_prompts, processor)
         examples = build_examples(target, tokenizer, drafter_config.target_layer_ids, prompts=prompts,
                                   max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
                                   samples_per_prompt=args.samples_per_prompt, temperature=args.sample_temperature,
                                   batch_size=args.generate_batch_size, generate_dtype=generate_dtype,
-                                  num_visual_tokens=drafter_config.num_visual_tokens)
+                                  num_visual_tokens=drafter_config.num_visual_tokens,
+                                  batch_tokens=args.teacher_batch_tokens)
         if cache is not None and accelerator.is_main_process:
             save_examples(examples, cache)
     # split by prompt, so that sampled answers to a held-out prompt never leak into training
@@ -233,7 +270,8 @@ def run(args) -> int:
         "data_description": (
             f"the target's greedy answers{f' (plus {args.samples_per_prompt - 1} sampled at T={args.sample_temperature})' if args.samples_per_prompt > 1 else ''}"
             f" ({args.max_new_tokens} tokens max) to the prompts {' '.join(args.data)} (hf_adaptive_spec "
-            f"order), teacher-forced; blocks anchored in the answers"),
+            f"order){f' and those of {Path(args.prompts).name}' if args.prompts else ''}, teacher-forced; blocks "
+            f"anchored in the answers"),
         "num_train_examples": len(train_examples),
         "num_train_tokens": sum(len(e) for e in train_examples),
         "num_eval_examples": len(eval_examples),

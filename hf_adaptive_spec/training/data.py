@@ -64,10 +64,50 @@ class DrafterExample:
 _TEXT_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # per-token type ids: 0 on the generated text
 
 
+def _example(ids: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, source: str, prompt_length: int,
+             visual_embeds=None, visual_slots=None) -> DrafterExample:
+    """A [`DrafterExample`] from one sequence's `(L,)` ids, fused `(L, F)` hidden states and `(L, V)` logits."""
+    labels = logits.argmax(-1).cpu()
+    ids = ids.cpu()
+    on_policy = torch.zeros_like(ids, dtype=torch.bool)
+    on_policy[:-1] = ids[1:] == labels[:-1]
+    return DrafterExample(ids, hidden.to("cpu", torch.float16), labels, on_policy, source, int(prompt_length),
+                          visual_embeds, visual_slots)
+
+
+@torch.no_grad()
+def _text_examples(target, items: list, layer_ids: list, batch_tokens: int) -> dict:
+    """Teacher-force text-only sequences in right-padded batches of about `batch_tokens` tokens (sorted by
+    length). `items` holds `(index, ids, source, prompt_length)`; returns `{index: DrafterExample}`. Right
+    padding leaves every real position's causal prefix, hence its states, as in a forward of its own."""
+    items = sorted(items, key=lambda item: len(item[1]))
+    pad = 0
+    examples = {}
+    start = 0
+    while start < len(items):
+        stop = start + 1
+        while stop < len(items) and (stop - start + 1) * len(items[stop][1]) <= batch_tokens:
+            stop += 1
+        chunk = items[start:stop]
+        width = len(chunk[-1][1])
+        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long, device=target.device)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, (_, ids, _, _) in enumerate(chunk):
+            input_ids[row, : len(ids)] = ids.to(target.device)
+            attention_mask[row, : len(ids)] = 1
+        out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        hidden = gather_target_hidden(out.hidden_states, layer_ids)
+        for row, (index, ids, source, prompt_length) in enumerate(chunk):
+            n = len(ids)
+            examples[index] = _example(ids, hidden[row, :n], out.logits[row, :n], source, prompt_length)
+        start = stop
+    return examples
+
+
 @torch.no_grad()
 def examples_from_sequences(target, sequences: list, layer_ids: list, sources: list | None = None,
                             prompt_lengths: list | None = None, model_inputs: list | None = None,
-                            num_visual_tokens: int = 8) -> list:
+                            num_visual_tokens: int = 8, batch_tokens: int = 0) -> list:
     """Teacher-force the target over each `(L,)` token sequence: its fused hidden states, greedy labels and
     on-policy flags ([`DrafterExample`]).
 
@@ -78,6 +118,8 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
             decoding loop's visual selection would give a block anchored after each position t: the
             `num_visual_tokens` image tokens picked by the target's query at t (int8 keys, cross-layer vote;
             [`~hf_adaptive_spec.drafters.block.choose_visual_slots`]), and the image tokens' input embeddings.
+        batch_tokens (`int`): when > 0, text-only sequences go through the target in right-padded batches of
+            about this many tokens (fast on a GPU; equal up to float rounding, tested); 0: one at a time.
     """
     from transformers import DynamicCache
 
@@ -88,8 +130,17 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
     prompt_lengths = prompt_lengths if prompt_lengths is not None else [0] * len(sequences)
     model_inputs = model_inputs if model_inputs is not None else [None] * len(sequences)
     device = target.device
+    batched = {}
+    if batch_tokens > 0:
+        text = [(i, ids, source, length) for i, (ids, source, length, extra)
+                in enumerate(zip(sequences, sources, prompt_lengths, model_inputs)) if not extra]
+        batched = _text_examples(target, text, list(layer_ids), batch_tokens)
     examples = []
-    for ids, source, prompt_length, extra in zip(sequences, sources, prompt_lengths, model_inputs):
+    for index, (ids, source, prompt_length, extra) in enumerate(zip(sequences, sources, prompt_lengths,
+                                                                     model_inputs)):
+        if index in batched:
+            examples.append(batched.pop(index))
+            continue
         ids = ids.to(device)
         visual_embeds = visual_slots = None
         extra = {key: value.to(device) if torch.is_tensor(value) else value for key, value in (extra or {}).items()}
@@ -120,13 +171,8 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
             local = torch.searchsorted(image_positions, slots.clamp_min(0))
             visual_slots = local.masked_fill(slots < 0, -1).cpu()
             visual_embeds = out.hidden_states[0][0, image_positions].to("cpu", torch.float16)
-        hidden = gather_target_hidden(out.hidden_states, layer_ids)[0].to("cpu", torch.float16)
-        labels = out.logits[0].argmax(-1).cpu()
-        ids = ids.cpu()
-        on_policy = torch.zeros_like(ids, dtype=torch.bool)
-        on_policy[:-1] = ids[1:] == labels[:-1]
-        examples.append(DrafterExample(ids, hidden, labels, on_policy, source, int(prompt_length), visual_embeds,
-                                       visual_slots))
+        hidden = gather_target_hidden(out.hidden_states, layer_ids)[0]
+        examples.append(_example(ids, hidden, out.logits[0], source, prompt_length, visual_embeds, visual_slots))
     return examples
 
 
@@ -134,7 +180,7 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
 def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=(), max_new_tokens: int = 128,
                    batch_size: int = 8, max_text_tokens: int = 256, progress: bool = True,
                    samples_per_prompt: int = 1, temperature: float = 0.7, generate_dtype=None,
-                   num_visual_tokens: int = 8) -> list:
+                   num_visual_tokens: int = 8, batch_tokens: int = 0) -> list:
     """Examples from the target's greedy answers to `prompts` and from plain `texts`.
 
     Args:
@@ -154,6 +200,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
             greedily, so a token where the copy disagrees is simply not trained across.
         num_visual_tokens (`int`): M, visual tokens recorded per position for prompts with images (the drafter's
             `config.num_visual_tokens`).
+        batch_tokens (`int`): teacher-force text sequences in batches of about this many tokens (0: one by one).
 
     Returns:
         list of [`DrafterExample`].
@@ -228,7 +275,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     bar.close()
     del answerer
     return examples_from_sequences(target, sequences, list(layer_ids), sources, prompt_lengths, extras,
-                                   num_visual_tokens=num_visual_tokens)
+                                   num_visual_tokens=num_visual_tokens, batch_tokens=batch_tokens)
 
 
 def frequent_tokens(examples: list, size: int) -> tuple[torch.Tensor, float]:

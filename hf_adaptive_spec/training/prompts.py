@@ -6,9 +6,14 @@ HumanEval (164) and MT-Bench (80) are small, and their first prompts are the ben
 * `stdlib_code_prompts`: HumanEval-style tasks (same instruction, a signature and a docstring) made from the
   documented public functions of the Python standard library on this machine (parsed with `ast`, never
   imported). The set depends on the Python version; its order is fixed for one version.
+* `stdlib_method_prompts`: the same for the documented public methods of the standard library's classes
+  ("Complete the following method of class X").
 * `template_prompts`: assistant requests in MT-Bench's eight categories from fixed templates, filled with
   topics, names and random numbers (the target's sampled self-written questions were tried first: a 135M
   model writes mostly incoherent ones).
+* `doc_prompts`: requests about real prose, the standard library's long docstrings
+  (summarize, list the key points, explain to a beginner, extract names as JSON, write an example, ...):
+  extraction- and writing-style prompts over varied text.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 from ..data import HUMANEVAL_INSTRUCTION, Prompt
 
-__all__ = ["stdlib_code_prompts", "template_prompts", "PROMPT_SOURCES"]
+__all__ = ["stdlib_code_prompts", "stdlib_method_prompts", "template_prompts", "doc_prompts", "PROMPT_SOURCES"]
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
               "__pycache__", "pydoc_data", "config-3"}
@@ -53,6 +58,20 @@ def _function_prompt(node: ast.FunctionDef) -> str | None:
     return f'{keyword} {node.name}({args}){returns}:\n    """\n{body}\n    """\n'
 
 
+def _stdlib_trees():
+    """`(module name, ast.Module)` for each parsable standard-library file, in path order."""
+    for root, path in _stdlib_files():
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        yield ".".join(path.relative_to(root).with_suffix("").parts), tree
+
+
+def _code_prompt(text: str, intro: str = HUMANEVAL_INSTRUCTION) -> list:
+    return [{"role": "user", "content": f"{intro}\n\n```python\n{text}```"}]
+
+
 def stdlib_code_prompts(seed: int = 0) -> list:
     """HumanEval-style prompts from the documented module-level functions of the standard library.
 
@@ -60,13 +79,7 @@ def stdlib_code_prompts(seed: int = 0) -> list:
     with `seed` so that any slice mixes modules.
     """
     prompts, seen = [], set()
-    for root, path in _stdlib_files():
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
-            continue
-        module = ".".join(path.relative_to(root).with_suffix("").parts)
+    for module, tree in _stdlib_trees():
         for node in tree.body:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -74,9 +87,30 @@ def stdlib_code_prompts(seed: int = 0) -> list:
             if text is None or text in seen:
                 continue
             seen.add(text)
-            content = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{text}```"
-            prompts.append(Prompt(f"stdlib/{module}.{node.name}", "stdlib", "code",
-                                  [{"role": "user", "content": content}]))
+            prompts.append(Prompt(f"stdlib/{module}.{node.name}", "stdlib", "code", _code_prompt(text)))
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def stdlib_method_prompts(seed: int = 0) -> list:
+    """Like [`stdlib_code_prompts`], for the documented public methods of the standard library's module-level
+    classes: the method's signature and docstring inside its `class` line (dataset `"stdlib_methods"`)."""
+    prompts, seen = [], set()
+    for module, tree in _stdlib_trees():
+        for cls in tree.body:
+            if not isinstance(cls, ast.ClassDef) or cls.name.startswith("_"):
+                continue
+            for node in cls.body:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                text = _function_prompt(node)
+                if text is None or text in seen:
+                    continue
+                seen.add(text)
+                method = "\n".join(("    " + line) if line else "" for line in text.splitlines())
+                intro = f"Complete the method `{node.name}` of the class `{cls.name}`. Reply with code only."
+                prompts.append(Prompt(f"stdlib_methods/{module}.{cls.name}.{node.name}", "stdlib_methods", "code",
+                                      _code_prompt(f"class {cls.name}:\n{method}\n", intro)))
     random.Random(seed).shuffle(prompts)
     return prompts
 
@@ -176,5 +210,48 @@ def template_prompts(seed: int = 0) -> list:
     return prompts
 
 
+#: requests about a piece of documentation; `{text}` is the docstring, `{name}` what it documents
+_DOC_TEMPLATES = (
+    ("extraction", "Summarize the following text in two sentences.\n\n{text}"),
+    ("extraction", "List the key points of this documentation as bullet points.\n\n{text}"),
+    ("extraction", "Extract every function, class or parameter name mentioned in the text below and return "
+                   "them as a JSON list.\n\n{text}"),
+    ("writing", "Rewrite the following documentation of `{name}` so that a beginner can understand it.\n\n{text}"),
+    ("coding", "Here is the documentation of the Python `{name}`:\n\n{text}\n\nWrite a short example that "
+               "uses it, and explain the example."),
+    ("stem", "Explain, in your own words, what problem `{name}` solves and when one would use it.\n\n{text}"),
+    ("writing", "Write three questions a student could ask about the following text, with their answers."
+                "\n\n{text}"),
+)
+
+
+def doc_prompts(seed: int = 0, max_chars: int = 1500) -> list:
+    """Requests about the standard library's module, class, function and method docstrings (150 to `max_chars`
+    characters):
+    one request per docstring, the template chosen at random (dataset `"docs"`, categories by template)."""
+    rng = random.Random(seed)
+    prompts, seen = [], set()
+    for module, tree in _stdlib_trees():
+        documented = [(f"module {module}", tree)]
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                documented.append((f"class {module}.{node.name}", node))
+                documented += [(f"method {module}.{node.name}.{item.name}", item) for item in node.body
+                               if isinstance(item, ast.FunctionDef) and not item.name.startswith("_")]
+            elif isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                documented.append((f"function {module}.{node.name}", node))
+        for name, node in documented:
+            doc = ast.get_docstring(node, clean=True)
+            if not doc or not 150 <= len(doc) <= max_chars or doc in seen:
+                continue
+            seen.add(doc)
+            category, template = rng.choice(_DOC_TEMPLATES)
+            prompts.append(Prompt(f"docs/{name.split()[1]}", "docs", category,
+                                  [{"role": "user", "content": template.format(text=doc, name=name)}]))
+    rng.shuffle(prompts)
+    return prompts
+
+
 #: prompt sets the training CLI knows beyond `hf_adaptive_spec.data`'s benchmark sets
-PROMPT_SOURCES = ("stdlib", "templates")
+PROMPT_SOURCES = {"stdlib": stdlib_code_prompts, "stdlib_methods": stdlib_method_prompts,
+                  "templates": template_prompts, "docs": doc_prompts}

@@ -44,6 +44,10 @@ class TrainConfig:
         eval_every (`int`): held-out acceptance every N steps (0: only at the end) (100).
         seed (`int`): data order and initialisation (0).
         max_grad_norm (`float`): gradient clipping (1.0).
+        max_seconds (`float`): a time budget for the steps, evaluations included (0: none). After the first
+            `probe_steps` steps, fewer steps are planned if `steps` would not fit, and the schedule's warm-up
+            and cosine decay follow the planned count (re-planned at each evaluation if running late).
+        probe_steps (`int`): steps timed before planning under `max_seconds` (30).
     """
 
     steps: int = 600
@@ -56,12 +60,16 @@ class TrainConfig:
     eval_every: int = 100
     seed: int = 0
     max_grad_norm: float = 1.0
+    max_seconds: float = 0.0
+    probe_steps: int = 30
 
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise ValueError(f"TrainConfig.loss must be one of {LOSSES}, got {self.loss!r}.")
         if self.steps < 1 or self.batch_sequences < 1 or self.anchors < 1:
             raise ValueError("TrainConfig needs steps, batch_sequences and anchors >= 1.")
+        if self.max_seconds < 0 or self.probe_steps < 1:
+            raise ValueError("TrainConfig needs max_seconds >= 0 and probe_steps >= 1.")
 
 
 def make_batch(examples: list, block_size: int, anchors: int, generator: random.Random, device) -> dict:
@@ -91,20 +99,23 @@ def make_batch(examples: list, block_size: int, anchors: int, generator: random.
         context_mask[row, :n] = True
         low = example.prompt_length if 1 <= example.prompt_length < n else 1  # blocks start in the answer
         starts = [generator.randrange(low, n) for _ in range(anchors)] if n > 1 else [0] * anchors
-        for a, p in enumerate(starts):
-            cols = slice(a * block_size, (a + 1) * block_size)
-            input_ids[row, a * block_size] = example.input_ids[p]
-            position_ids[row, cols] = p + offsets
-            if with_images and example.visual_slots is not None and p > 0:
-                slots = example.visual_slots[p - 1]  # picked by the query of the position before the anchor
-                visual_mask[row, a] = slots >= 0
-                visual_embeds[row, a] = example.visual_embeds[slots.clamp_min(0)].float()
-            # position k predicts the token after p + k; trained while p+1..p+k are the target's greedy tokens
-            for k in range(block_size):
-                t = p + k
-                if t >= n or (k > 0 and not bool(example.on_policy[t - 1])):
-                    break
-                labels[row, a, k] = example.labels[t]
+        starts = torch.tensor(starts)
+        input_ids[row].view(anchors, block_size)[:, 0] = example.input_ids[starts]
+        positions = starts[:, None] + offsets  # (A, B)
+        position_ids[row] = positions.flatten()
+        # position k predicts the token after p + k; trained while p+1..p+k are the target's greedy tokens
+        inside = positions < n
+        clipped = positions.clamp(max=n - 1)
+        greedy_prefix = torch.ones_like(inside)
+        greedy_prefix[:, 1:] = example.on_policy[clipped[:, 1:] - 1]
+        trained = (inside & greedy_prefix).cumprod(-1).bool()  # stops at the first miss
+        labels[row] = torch.where(trained, example.labels[clipped], labels[row])
+        if with_images and example.visual_slots is not None:
+            for a, p in enumerate(starts.tolist()):
+                if p > 0:
+                    slots = example.visual_slots[p - 1]  # picked by the query of the position before the anchor
+                    visual_mask[row, a] = slots >= 0
+                    visual_embeds[row, a] = example.visual_embeds[slots.clamp_min(0)].float()
     batch = {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "context": hidden.to(device),
              "context_mask": context_mask.to(device), "labels": labels.to(device)}
     if with_images:
@@ -191,7 +202,8 @@ def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_exampl
         accelerator (`accelerate.Accelerator`, *optional*): created if not given.
 
     Returns:
-        dict with `history` (step, loss, seconds) and `evals` (step, accepted, tau_chain, top1).
+        dict with `history` (step, loss, lr, seconds), `evals` (step, accepted, tau_chain, top1) and `config`
+        (with `steps_run`: the steps planned, fewer than `config.steps` under `max_seconds`).
     """
     from accelerate import Accelerator
     from tqdm.auto import tqdm
@@ -205,12 +217,13 @@ def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_exampl
     torch.manual_seed(config.seed)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate,
                                   weight_decay=config.weight_decay)
-    warmup = max(1, config.steps // 20)
+    total = config.steps  # planned steps: fewer than config.steps when max_seconds says so
 
     def rate(step):
+        warmup = max(1, total // 20)
         if step < warmup:
             return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, config.steps - warmup)))
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     model, optimizer = accelerator.prepare(drafter, optimizer)
@@ -222,6 +235,7 @@ def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_exampl
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_step, history, evals = state["step"], state["history"], state["evals"]
+        total = state.get("total", config.steps)
         random_state = state["random"]
         log(f"resumed from {checkpoint} at step {start_step}")
     else:
@@ -231,10 +245,18 @@ def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_exampl
         generator.setstate(random_state)
 
     model.train()
-    bar = tqdm(range(start_step, config.steps), desc=f"train ({config.loss})", disable=not progress,
-               initial=start_step, total=config.steps)
+    bar = tqdm(desc=f"train ({config.loss})", disable=not progress, initial=start_step, total=total)
     started = time.perf_counter()
-    for step in bar:
+
+    def plan(done: int, per_step: float) -> int:
+        """Steps that fit in what is left of max_seconds at `per_step` seconds each (never below done + 1);
+        the smallest plan of all processes, so that they stop together."""
+        left = config.max_seconds - (time.perf_counter() - started)
+        planned = max(done + 1, min(total, done + int(0.95 * left / per_step)))
+        return int(accelerator.gather(torch.tensor([planned], device=accelerator.device)).min())
+
+    step = start_step
+    while step < total:
         chosen = [train_examples[generator.randrange(len(train_examples))] for _ in range(config.batch_sequences)]
         batch = make_batch(chosen, block_size, config.anchors, generator, accelerator.device)
         with accelerator.autocast():
@@ -245,22 +267,35 @@ def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_exampl
         if config.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
+        history.append({"step": step + 1, "loss": loss.item(), "lr": scheduler.get_last_lr()[0],
+                        "seconds": time.perf_counter() - started})
         scheduler.step()
-        history.append({"step": step + 1, "loss": loss.item(), "seconds": time.perf_counter() - started})
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        done = step + 1
-        if eval_examples and (done == config.steps or (config.eval_every and done % config.eval_every == 0)):
+        bar.update(1)
+        step = done = step + 1
+        if config.max_seconds and done - start_step == config.probe_steps:
+            total = plan(done, (time.perf_counter() - started) / config.probe_steps)
+            bar.total = total
+            if total < config.steps:
+                log(f"max_seconds {config.max_seconds:g}: planning {total} steps (not {config.steps})")
+        if eval_examples and (done == total or (config.eval_every and done % config.eval_every == 0)):
             result = evaluate_acceptance(model, eval_examples, block_size, device=accelerator.device)
             evals.append({"step": done, **result})
             log(f"step {done}: loss {loss.item():.3f}, held-out tau_chain {result['tau_chain']:.3f}")
+            if config.max_seconds and done < total and done - start_step > config.probe_steps:
+                per_step = (time.perf_counter() - started) / (done - start_step)  # evaluations included
+                if (replanned := plan(done, per_step)) < total:
+                    total = bar.total = replanned
+                    log(f"max_seconds {config.max_seconds:g}: running late, now planning {total} steps")
         if out_dir is not None and accelerator.is_main_process and (
-                done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
+                done == total or (config.checkpoint_every and done % config.checkpoint_every == 0)):
             checkpoint = out_dir / f"checkpoint-{done}"
             checkpoint.mkdir(parents=True, exist_ok=True)
             torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "step": done, "history": history, "evals": evals,
-                        "random": generator.getstate(), "config": asdict(config)}, checkpoint / "training_state.pt")
+                        "random": generator.getstate(), "config": asdict(config), "total": total},
+                       checkpoint / "training_state.pt")
             (checkpoint / "progress.json").write_text(json.dumps({"step": done, "evals": evals}, indent=1))
     bar.close()
     model.eval()
-    return {"history": history, "evals": evals, "config": asdict(config)}
+    return {"history": history, "evals": evals, "config": {**asdict(config), "steps_run": total}}
