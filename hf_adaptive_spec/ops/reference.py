@@ -191,7 +191,10 @@ def quantize_int8(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         `quantized * scale` is within `scale / 2` of `keys` elementwise.
     """
     keys = keys.float()
-    scale = keys.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+    amax = keys.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    # IEEE division on every device: on CUDA, `tensor / python_number` multiplies by the rounded reciprocal,
+    # which differs in the last bit for some values (seen on an H200); a tensor divisor divides exactly
+    scale = amax / torch.full_like(amax, 127.0)
     quantized = torch.round(keys / scale).clamp(-127, 127).to(torch.int8)
     return quantized, scale
 

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
                         help="bf16 autocast for the drafter's training forward (CPUs with AMX, recent GPUs)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--init-from", default=None, metavar="DRAFTER",
+                        help="start from this drafter's weights (a folder or shipped name made for the same target, "
+                             "block size and layers), e.g. to fine-tune a published drafter on your own prompts")
     parser.add_argument("--eval-generate", type=int, default=0,
                         help="after training, run generate(spec_strategy='laspec') on N held-out prompts")
     parser.add_argument("--draft-vocab-size", type=int, default=16384,
@@ -164,6 +167,21 @@ def prompts_file(path) -> list:
     return prompts
 
 
+def initialize_from(drafter, source) -> None:
+    """Copy the trained weights of `source` (a [`LaSpecDrafterModel`] for the same target and shape) into
+    `drafter`; the draft vocabulary is not copied (it is chosen again from the new training data)."""
+    keys = ("block_size", "num_hidden_layers", "hidden_size", "target_layer_ids", "vocab_size", "num_visual_tokens")
+    different = [key for key in keys if getattr(source.config, key, None) != getattr(drafter.config, key, None)]
+    if different:
+        raise ValueError("--init-from: the drafter differs from the one being trained in "
+                         + ", ".join(f"{key} ({getattr(source.config, key, None)} vs {getattr(drafter.config, key, None)})"
+                                     for key in different))
+    state = {key: value for key, value in source.state_dict().items() if key != "draft_vocab"}
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"draft_vocab"}:
+        raise ValueError(f"--init-from: weights do not match (missing {missing}, unexpected {unexpected}).")
+
+
 def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> list:
     from ..bench import encode_prompt
 
@@ -242,6 +260,11 @@ def run(args) -> int:
     train_examples = [example for i, example in enumerate(examples) if i not in eval_ids]
 
     drafter = LaSpecDrafterModel(drafter_config).to(accelerator.device).attach_target(target)
+    if args.init_from:
+        from ..drafters.hub import load_drafter
+
+        initialize_from(drafter, load_drafter(args.init_from, target))
+        print(f"initialized from {args.init_from}")
     started = time.perf_counter()
     result = train_drafter(drafter, train_examples, eval_examples, config, out_dir=out, resume=args.resume,
                            accelerator=accelerator, progress=not args.no_progress)
