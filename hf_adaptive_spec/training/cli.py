@@ -37,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--data", nargs="+", default=["humaneval[24:]", "mtbench[24:]"],
                         help="prompt sets as DATASET[START:END] (default: humaneval[24:] mtbench[24:]); besides the "
                              "benchmark sets: 'stdlib[:N]' and 'stdlib_methods[:N]' (HumanEval-style tasks from "
-                             "the Python standard library's functions / methods), 'templates[:N]' (assistant requests in "
-                             "MT-Bench's categories from fixed templates) and 'docs[:N]' (requests about the "
-                             "standard library's docstrings: summarize, extract, explain, ...)")
+                             "the Python standard library's functions / methods), 'templates[:N]' (assistant "
+                             "requests in MT-Bench's categories from fixed templates) and 'docs[:N]' (requests "
+                             "about the standard library's docstrings: summarize, extract, explain, ...)")
     parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                         help="extra chat prompts, one JSON object per line: {\"prompt\": TEXT} or "
                              "{\"messages\": [...]}, optional \"id\"")
@@ -173,9 +173,9 @@ def initialize_from(drafter, source) -> None:
     keys = ("block_size", "num_hidden_layers", "hidden_size", "target_layer_ids", "vocab_size", "num_visual_tokens")
     different = [key for key in keys if getattr(source.config, key, None) != getattr(drafter.config, key, None)]
     if different:
-        raise ValueError("--init-from: the drafter differs from the one being trained in "
-                         + ", ".join(f"{key} ({getattr(source.config, key, None)} vs {getattr(drafter.config, key, None)})"
-                                     for key in different))
+        pairs = [f"{key} ({getattr(source.config, key, None)} vs {getattr(drafter.config, key, None)})"
+                 for key in different]
+        raise ValueError("--init-from: the drafter differs from the one being trained in " + ", ".join(pairs))
     state = {key: value for key, value in source.state_dict().items() if key != "draft_vocab"}
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"draft_vocab"}:
