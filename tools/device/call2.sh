@@ -10,6 +10,6 @@ if [ ! -f /tmp/keep/.gpua/part0 ] && [ ! -f .gpua/part0 ]; then
 fi
 python3 .gpuc/setup_target.py > $OUT/setup.log 2>&1 || { tail -20 $OUT/setup.log; exit 4; }
 tail -1 $OUT/setup.log
-python3 .gpuc/train.py --target smollm2-135m-instruct --budget $((T - SECONDS - 20)) --out /tmp/drafter "$@" > $OUT/train.log 2>&1; echo "train rc $?"
+python3 .gpuc/train.py --target smollm2-135m-instruct --budget $((T - SECONDS - 20)) --out /tmp/drafter --copy-to $OUT "$@" > $OUT/train.log 2>&1; echo "train rc $?"
 grep -v Warning $OUT/train.log | tail -40
 ls -la $OUT/drafter
