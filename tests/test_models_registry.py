@@ -547,13 +547,15 @@ def test_shipped_laspec_drafter_on_real_smollm2(tmp_path_factory):
 
 
 def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
-    """train-drafter end to end on the real target (2 prompts, 3 steps): data, training, folder, model card."""
+    """train-drafter end to end on the real target (2 prompts answered, 2 real answers teacher-forced by a bf16
+    copy, 3 steps): data, training, folder, model card."""
     pytest.importorskip("torch")
     from hf_adaptive_spec import cli, load_drafter
 
     root, path = _fetch_real_smollm2(tmp_path_factory)
     out = tmp_path / "drafter"
     code = cli.main(["train-drafter", "--target", str(path), "--out", str(out), "--data", "humaneval[30:32]",
+                     "stdlib_solutions[:2]", "--teacher-dtype", "bfloat16", "--data-cache", str(tmp_path / "d.pt"),
                      "--max-new-tokens", "12", "--steps", "3", "--anchors", "4", "--batch-sequences", "2",
                      "--eval-fraction", "0.5", "--eval-every", "0", "--checkpoint-every", "2", "--no-progress"])
     assert code == 0
@@ -562,7 +564,15 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
     assert "held-out teacher-forced chain acceptance" in card and "acceptance" in card
     log = json.loads((out / "training_log.json").read_text())
     assert log["train_prompt_ids"] and set(log["train_prompt_ids"]).isdisjoint(log["eval_prompt_ids"])
-    model, _ = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
+    from hf_adaptive_spec.training.data import load_examples
+
+    examples = load_examples(tmp_path / "d.pt")
+    real = [e for e in examples if e.source.startswith("stdlib/")]
+    assert len(examples) == 4 and len(real) == 2
+    model, tokenizer = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
+    for example in real:  # the chat-formatted real source: a code block right after the generation prompt
+        assert tokenizer.decode(example.input_ids[: example.prompt_length]).endswith("<|im_start|>assistant\n")
+        assert tokenizer.decode(example.input_ids[example.prompt_length :]).startswith("```python\ndef ")
     assert load_drafter(out, model).has_target
 
 

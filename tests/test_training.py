@@ -226,6 +226,33 @@ def test_initialize_from_copies_a_trained_drafter(setup, tmp_path):
         initialize_from(other, trained)
 
 
+def test_initialize_from_a_shallower_drafter_starts_with_its_outputs(setup):
+    from hf_adaptive_spec.training.cli import initialize_from
+
+    target, config, examples = setup
+    torch.manual_seed(1)
+    shallow = LaSpecDrafterModel(config).attach_target(target)
+    train_drafter(shallow, examples, [], TrainConfig(steps=3, eval_every=0, checkpoint_every=0, batch_sequences=2,
+                                                     anchors=4), progress=False)
+    deep_config = LaSpecDrafterConfig.for_target(target, block_size=config.block_size, num_hidden_layers=2)
+    torch.manual_seed(2)
+    deep = LaSpecDrafterModel(deep_config).attach_target(target)
+    initialize_from(deep, shallow)
+    batch = make_batch(examples[:3], config.block_size, 4, random.Random(0), "cpu")
+    with torch.no_grad():
+        logits = [model.forward_block(batch["input_ids"], model.encode_context(batch["context"]),
+                                      context_mask=batch["context_mask"], position_ids=batch["position_ids"],
+                                      block_length=config.block_size).logits
+                  for model in (shallow, deep)]
+    assert torch.equal(logits[0], logits[1])  # the extra layer starts as the identity
+    assert deep.layers[1].self_attn.q_proj.weight.abs().sum() > 0  # ... with trainable, non-zero inputs
+    train_drafter(deep, examples, [], TrainConfig(steps=2, eval_every=0, checkpoint_every=0, batch_sequences=2,
+                                                  anchors=4), progress=False)
+    assert deep.layers[1].mlp.down_proj.weight.abs().sum() > 0  # and it trains
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        initialize_from(shallow, deep)
+
+
 def test_train_config_validation():
     with pytest.raises(ValueError, match="loss"):
         TrainConfig(loss="mse")
@@ -342,6 +369,68 @@ def test_answers_from_a_bfloat16_copy_keep_the_targets_labels(setup):
         assert len(example) == example.prompt_length + 8
 
 
+class _ChatTokenizer(_CharTokenizer):
+    """Characters, with a toy chat template: user turns `1 ... 3`, assistant turns `2 ... 7` (7: end of turn)."""
+
+    chat_template = "toy"
+    eos_token_id = 7
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, return_dict=False):
+        ids = []
+        for message in messages:
+            user = message["role"] == "user"
+            ids += [1 if user else 2] + self(message["content"])["input_ids"] + [3 if user else 7]
+        return {"input_ids": ids + ([2] if add_generation_prompt else [])}
+
+
+def test_answered_prompts_are_teacher_forced_not_generated(setup, monkeypatch):
+    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.training.data import build_examples
+
+    target, config, _ = setup
+    tokenizer = _ChatTokenizer()
+    answered = [Prompt("a/0", "d", "c", [{"role": "user", "content": "write f"},
+                                          {"role": "assistant", "content": "def f(): 1"}]),
+                Prompt("a/1", "d", "c", [{"role": "user", "content": "long"},
+                                          {"role": "assistant", "content": "x" * 40}])]
+
+    def no_generate(*args, **kwargs):
+        raise AssertionError("an answered prompt must not be generated")
+
+    monkeypatch.setattr(type(target), "generate", no_generate)
+    examples = build_examples(target, tokenizer, config.target_layer_ids, prompts=answered, max_text_tokens=12,
+                              progress=False)
+    prompt = [1] + tokenizer("write f")["input_ids"] + [3, 2]
+    assert examples[0].input_ids.tolist() == prompt + tokenizer("def f(): 1")["input_ids"] + [7]
+    assert examples[0].prompt_length == len(prompt) and examples[0].source == "a/0"
+    assert len(examples[1]) == examples[1].prompt_length + 12  # answers are cut to max_text_tokens
+    for example in examples:  # the target's own states and greedy labels over the given text
+        reference = examples_from_sequences(target, [example.input_ids], config.target_layer_ids)[0]
+        assert torch.equal(example.labels, reference.labels) and torch.equal(example.hidden, reference.hidden)
+        assert torch.equal(example.on_policy[:-1], example.input_ids[1:] == example.labels[:-1])
+    with pytest.raises(ValueError, match="chat template"):
+        build_examples(target, _CharTokenizer(), config.target_layer_ids, prompts=answered, progress=False)
+
+
+def test_teacher_dtype_uses_a_copy_of_the_target(setup):
+    import copy
+
+    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.training.data import build_examples
+
+    target, config, _ = setup
+    answered = [Prompt("a/0", "d", "c", [{"role": "user", "content": "write f"},
+                                          {"role": "assistant", "content": "def f(x): return x + 1"}])]
+    examples = build_examples(target, _ChatTokenizer(), config.target_layer_ids, prompts=answered, progress=False,
+                              teacher_dtype=torch.bfloat16)
+    assert target.dtype == torch.float32  # untouched
+    reference = examples_from_sequences(copy.deepcopy(target).to(torch.bfloat16), [examples[0].input_ids],
+                                        config.target_layer_ids)[0]
+    assert torch.equal(examples[0].labels, reference.labels) and torch.equal(examples[0].hidden, reference.hidden)
+    exact = examples_from_sequences(target, [examples[0].input_ids], config.target_layer_ids)[0]
+    assert not torch.equal(examples[0].hidden, exact.hidden)  # the states did come from the bf16 copy
+
+
 def test_make_batch_anchors_blocks_in_the_answer(setup):
     _, _, examples = setup
     example = examples[0]
@@ -449,7 +538,31 @@ def test_stdlib_method_and_doc_prompts():
     assert len(docs) >= 200 and len({p.messages[0]["content"] for p in docs}) == len(docs)
     assert {p.category for p in docs} <= {"extraction", "writing", "coding", "stem"}
     assert len({p.messages[0]["content"].split("\n")[0] for p in docs}) > 5  # several kinds of request
-    assert set(PROMPT_SOURCES) == {"stdlib", "stdlib_methods", "templates", "docs"}
+    assert set(PROMPT_SOURCES) == {"stdlib", "stdlib_methods", "templates", "docs", "stdlib_solutions",
+                                   "stdlib_method_solutions", "doc_explanations"}
+
+
+def test_answered_prompt_sources_hold_the_real_code_and_docstrings():
+    import ast
+
+    from hf_adaptive_spec.training.prompts import (doc_explanations, doc_prompts, stdlib_code_prompts,
+                                                   stdlib_code_solutions, stdlib_method_prompts,
+                                                   stdlib_method_solutions)
+
+    for plain, solved in ((stdlib_code_prompts(), stdlib_code_solutions()),
+                          (stdlib_method_prompts(), stdlib_method_solutions())):
+        assert [p.id for p in solved] == [p.id for p in plain]  # same ids: held out together by prompt
+        for question, answer in zip(plain[:100], solved[:100]):
+            assert answer.messages[:-1] == question.messages and answer.messages[-1]["role"] == "assistant"
+            code = answer.messages[-1]["content"].split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+            function = ast.parse(code).body[0]  # the function's own, parsable source
+            assert isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+            assert question.id.endswith("." + function.name) and len(function.body) >= 1
+    docs, explained = doc_prompts(), doc_explanations()
+    assert [p.id for p in explained] == [p.id for p in docs]
+    for question, answer in zip(docs[:100], explained[:100]):
+        assert answer.messages[-1]["content"] in question.messages[0]["content"]  # the docstring itself
+        assert answer.messages[0]["content"].startswith("Explain what the Python ")
 
 
 def test_prompts_file(tmp_path):

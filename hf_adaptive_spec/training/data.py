@@ -7,7 +7,8 @@ An example is one token sequence with, per position t:
 * `on_policy`: True where the sequence's token at t + 1 IS that greedy token.
 
 Sequences come from the target's own greedy generations on chat prompts (fully on-policy after the prompt:
-what the drafter sees at decoding time), and optionally from plain real text (teacher-forced labels only).
+what the drafter sees at decoding time), from conversations that already hold a real answer (teacher-forced in
+the chat format, nothing generated), and optionally from plain real text (teacher-forced labels only).
 A block anchored at p trains position k only while the tokens p+1..p+k are the target's own greedy tokens
 (`on_policy`), because at decoding time the drafter's k-th guess continues an accepted, i.e. greedy, prefix.
 """
@@ -184,7 +185,7 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
 def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=(), max_new_tokens: int = 128,
                    batch_size: int = 8, max_text_tokens: int = 256, progress: bool = True,
                    samples_per_prompt: int = 1, temperature: float = 0.7, generate_dtype=None,
-                   num_visual_tokens: int = 8, batch_tokens: int = 0) -> list:
+                   num_visual_tokens: int = 8, batch_tokens: int = 0, teacher_dtype=None) -> list:
     """Examples from the target's greedy answers to `prompts` and from plain `texts`.
 
     Args:
@@ -193,7 +194,10 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
         layer_ids (`list[int]`): target layers the drafter reads (`config.target_layer_ids`).
         prompts: chat prompts (`hf_adaptive_spec.data.Prompt` or a list of messages); the target answers each
             greedily with up to `max_new_tokens` tokens, `batch_size` prompts at a time. A VLM prompt with an
-            image comes as an [`EncodedPrompt`] (the processor's output), answered on its own.
+            image comes as an [`EncodedPrompt`] (the processor's output), answered on its own. A prompt whose
+            last message is the assistant's is ANSWERED already: that answer (cut to `max_text_tokens` tokens)
+            is teacher-forced, nothing is generated (real text in the target's chat format: blocks train
+            across it wherever the target would have chosen the same tokens).
         texts: plain strings, cut to `max_text_tokens` tokens, teacher-forced only.
         samples_per_prompt (`int`): answers per prompt: the greedy one, plus `samples_per_prompt - 1` sampled at
             `temperature` (more varied prefixes; their labels are still the target's greedy choices, and a block
@@ -205,6 +209,10 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
         num_visual_tokens (`int`): M, visual tokens recorded per position for prompts with images (the drafter's
             `config.num_visual_tokens`).
         batch_tokens (`int`): teacher-force text sequences in batches of about this many tokens (0: one by one).
+        teacher_dtype (`torch.dtype`, *optional*): teacher-force with a copy of the target in this dtype (e.g.
+            `torch.bfloat16`: about 4x faster on a CPU with AMX). Its hidden states and greedy labels then stand
+            in for the target's: on SmolLM2-135M the bf16 argmax agrees with the fp32 one at 97.5% of the
+            positions of real code and the states differ by ~1% (relative norm). Default: the target itself.
 
     Returns:
         list of [`DrafterExample`].
@@ -219,6 +227,8 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     answerer = target if generate_dtype is None or generate_dtype == target.dtype else (
         copy.deepcopy(target).to(generate_dtype))
+    answered = [prompt for prompt in prompts if getattr(prompt, "messages", prompt)[-1]["role"] == "assistant"]
+    prompts = [prompt for prompt in prompts if getattr(prompt, "messages", prompt)[-1]["role"] != "assistant"]
     all_encoded = []
     for prompt in prompts:
         messages = getattr(prompt, "messages", prompt)
@@ -228,8 +238,15 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
             ids = tokenizer(messages[-1]["content"])["input_ids"]
         all_encoded.append((prompt, torch.tensor(ids, dtype=torch.long)))
     all_encoded.sort(key=lambda pair: len(pair[1]))  # similar lengths batch together: less padding
-    bar = tqdm(total=len(all_encoded) + len(encoded_prompts) + len(texts), desc="target data",
+    bar = tqdm(total=len(all_encoded) + len(encoded_prompts) + len(texts) + len(answered), desc="target data",
                disable=not progress)
+    for prompt in answered:
+        ids, prompt_length = _answered_ids(tokenizer, getattr(prompt, "messages", prompt), max_text_tokens)
+        sequences.append(ids)
+        sources.append(getattr(prompt, "id", "prompt"))
+        prompt_lengths.append(prompt_length)
+        extras.append(None)
+        bar.update(1)
     for start in range(0, len(all_encoded), batch_size):
         chunk = [prompt for prompt, _ in all_encoded[start : start + batch_size]]
         encoded = [ids for _, ids in all_encoded[start : start + batch_size]]
@@ -277,9 +294,31 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
             extras.append(None)
         bar.update(1)
     bar.close()
+    if teacher_dtype is None or teacher_dtype == target.dtype:
+        teacher = target
+    elif answerer is not target and answerer.dtype == teacher_dtype:
+        teacher = answerer
+    else:
+        teacher = copy.deepcopy(target).to(teacher_dtype)
     del answerer
-    return examples_from_sequences(target, sequences, list(layer_ids), sources, prompt_lengths, extras,
+    return examples_from_sequences(teacher, sequences, list(layer_ids), sources, prompt_lengths, extras,
                                    num_visual_tokens=num_visual_tokens, batch_tokens=batch_tokens)
+
+
+def _answered_ids(tokenizer, messages: list, max_answer_tokens: int) -> tuple[torch.Tensor, int]:
+    """`(ids, prompt_length)` of a conversation that ends with the assistant's answer: the prompt as the target
+    sees it before answering (generation prompt added), then the answer's tokens up to the end of its turn, at
+    most `max_answer_tokens`."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("An answered prompt (last message from the assistant) needs a tokenizer with a chat "
+                         "template.")
+    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, return_dict=True)["input_ids"]
+    full = tokenizer.apply_chat_template(messages, return_dict=True)["input_ids"]
+    if list(full[: len(prompt)]) != list(prompt) or len(full) <= len(prompt):
+        raise ValueError("The chat template does not render the conversation's answer after its generation "
+                         "prompt; cannot tell where the answer starts.")
+    answer = _cut_at_eos(torch.tensor(full[len(prompt):], dtype=torch.long), tokenizer.eos_token_id)
+    return torch.cat([torch.tensor(prompt, dtype=torch.long), answer[:max_answer_tokens]]), len(prompt)
 
 
 def frequent_tokens(examples: list, size: int) -> tuple[torch.Tensor, float]:

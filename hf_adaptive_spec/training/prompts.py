@@ -14,6 +14,14 @@ HumanEval (164) and MT-Bench (80) are small, and their first prompts are the ben
 * `doc_prompts`: requests about real prose, the standard library's long docstrings
   (summarize, list the key points, explain to a beginner, extract names as JSON, write an example, ...):
   extraction- and writing-style prompts over varied text.
+
+Answered sets (the prompt's last message is the assistant's REAL answer; nothing is generated, the target is
+only teacher-forced over it, which is ~15x cheaper on a CPU than answering):
+
+* `stdlib_code_solutions` / `stdlib_method_solutions`: the prompts of `stdlib_code_prompts` /
+  `stdlib_method_prompts`, same ids, answered with the function's own source code in a Python code block.
+* `doc_explanations`: "Explain what `NAME` does." answered with NAME's docstring (the docstrings of
+  `doc_prompts`, same ids).
 """
 
 from __future__ import annotations
@@ -21,12 +29,14 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+import textwrap
 from pathlib import Path
 
 
 from ..data import HUMANEVAL_INSTRUCTION, Prompt
 
-__all__ = ["stdlib_code_prompts", "stdlib_method_prompts", "template_prompts", "doc_prompts", "PROMPT_SOURCES"]
+__all__ = ["stdlib_code_prompts", "stdlib_method_prompts", "template_prompts", "doc_prompts", "stdlib_code_solutions",
+           "stdlib_method_solutions", "doc_explanations", "PROMPT_SOURCES"]
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
               "__pycache__", "pydoc_data", "config-3"}
@@ -58,14 +68,17 @@ def _function_prompt(node: ast.FunctionDef) -> str | None:
     return f'{keyword} {node.name}({args}){returns}:\n    """\n{body}\n    """\n'
 
 
-def _stdlib_trees():
-    """`(module name, ast.Module)` for each parsable standard-library file, in path order."""
+def _stdlib_trees(with_source: bool = False):
+    """`(module name, ast.Module)` for each parsable standard-library file, in path order (`(module name,
+    ast.Module, source text)` with `with_source`)."""
     for root, path in _stdlib_files():
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
         except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
             continue
-        yield ".".join(path.relative_to(root).with_suffix("").parts), tree
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        yield (module, tree, text) if with_source else (module, tree)
 
 
 def _code_prompt(text: str, intro: str = HUMANEVAL_INSTRUCTION) -> list:
@@ -83,34 +96,56 @@ def _documented_functions(body: list, seen: set):
                 yield node, text
 
 
-def stdlib_code_prompts(seed: int = 0) -> list:
+def _answer_message(source: str, node) -> dict:
+    """The assistant turn holding `node`'s own source code (dedented) in a Python code block."""
+    code = textwrap.dedent(ast.get_source_segment(source, node, padded=True) or ast.unparse(node)).strip("\n")
+    return {"role": "assistant", "content": f"```python\n{code}\n```"}
+
+
+def stdlib_code_prompts(seed: int = 0, answered: bool = False) -> list:
     """HumanEval-style prompts from the documented module-level functions of the standard library.
 
     Returns a list of [`~hf_adaptive_spec.data.Prompt`] (dataset `"stdlib"`, category `"code"`), shuffled
-    with `seed` so that any slice mixes modules.
+    with `seed` so that any slice mixes modules. With `answered`, each prompt ends with the function's real
+    source as the assistant's answer (dataset `"stdlib_solutions"`, same ids and order).
     """
     prompts, seen = [], set()
-    for module, tree in _stdlib_trees():
+    for module, tree, source in _stdlib_trees(with_source=True):
         for node, text in _documented_functions(tree.body, seen):
-            prompts.append(Prompt(f"stdlib/{module}.{node.name}", "stdlib", "code", _code_prompt(text)))
+            messages = _code_prompt(text) + ([_answer_message(source, node)] if answered else [])
+            prompts.append(Prompt(f"stdlib/{module}.{node.name}", "stdlib_solutions" if answered else "stdlib",
+                                  "code", messages))
     random.Random(seed).shuffle(prompts)
     return prompts
 
 
-def stdlib_method_prompts(seed: int = 0) -> list:
+def stdlib_method_prompts(seed: int = 0, answered: bool = False) -> list:
     """Like [`stdlib_code_prompts`], for the documented public methods of the standard library's module-level
-    classes: the method's signature and docstring inside its `class` line (dataset `"stdlib_methods"`)."""
+    classes: the method's signature and docstring inside its `class` line (dataset `"stdlib_methods"`; with
+    `answered`, `"stdlib_method_solutions"` answered with the method's real source)."""
     prompts, seen = [], set()
-    for module, tree in _stdlib_trees():
+    for module, tree, source in _stdlib_trees(with_source=True):
         classes = [node for node in tree.body if isinstance(node, ast.ClassDef) and not node.name.startswith("_")]
         for cls in classes:
             for node, text in _documented_functions(cls.body, seen):
                 method = "\n".join(("    " + line) if line else "" for line in text.splitlines())
                 intro = f"Complete the method `{node.name}` of the class `{cls.name}`. Reply with code only."
-                prompts.append(Prompt(f"stdlib_methods/{module}.{cls.name}.{node.name}", "stdlib_methods", "code",
-                                      _code_prompt(f"class {cls.name}:\n{method}\n", intro)))
+                messages = _code_prompt(f"class {cls.name}:\n{method}\n", intro)
+                messages += [_answer_message(source, node)] if answered else []
+                prompts.append(Prompt(f"stdlib_methods/{module}.{cls.name}.{node.name}",
+                                      "stdlib_method_solutions" if answered else "stdlib_methods", "code", messages))
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+def stdlib_code_solutions(seed: int = 0) -> list:
+    """[`stdlib_code_prompts`] answered with each function's real source (teacher-forced, never generated)."""
+    return stdlib_code_prompts(seed, answered=True)
+
+
+def stdlib_method_solutions(seed: int = 0) -> list:
+    """[`stdlib_method_prompts`] answered with each method's real source (teacher-forced, never generated)."""
+    return stdlib_method_prompts(seed, answered=True)
 
 
 #: assistant requests by MT-Bench category; `{topic}`, `{name}`, `{a}` ... are filled in
@@ -223,10 +258,12 @@ _DOC_TEMPLATES = (
 )
 
 
-def doc_prompts(seed: int = 0, max_chars: int = 1500) -> list:
+def doc_prompts(seed: int = 0, max_chars: int = 1500, answered: bool = False) -> list:
     """Requests about the standard library's module, class, function and method docstrings (150 to `max_chars`
     characters):
-    one request per docstring, the template chosen at random (dataset `"docs"`, categories by template)."""
+    one request per docstring, the template chosen at random (dataset `"docs"`, categories by template).
+    With `answered`: "Explain what `NAME` does." answered by the docstring itself (dataset
+    `"doc_explanations"`, same ids and order)."""
     rng = random.Random(seed)
     prompts, seen = [], set()
     for module, tree in _stdlib_trees():
@@ -244,12 +281,26 @@ def doc_prompts(seed: int = 0, max_chars: int = 1500) -> list:
                 continue
             seen.add(doc)
             category, template = rng.choice(_DOC_TEMPLATES)
-            prompts.append(Prompt(f"docs/{name.split()[1]}", "docs", category,
-                                  [{"role": "user", "content": template.format(text=doc, name=name)}]))
+            if answered:
+                kind, qualified = name.split()
+                messages = [{"role": "user", "content": f"Explain what the Python {kind} `{qualified}` does."},
+                            {"role": "assistant", "content": doc}]
+                category = "stem"
+            else:
+                messages = [{"role": "user", "content": template.format(text=doc, name=name)}]
+            prompts.append(Prompt(f"docs/{name.split()[1]}", "doc_explanations" if answered else "docs", category,
+                                  messages))
     rng.shuffle(prompts)
     return prompts
 
 
+def doc_explanations(seed: int = 0, max_chars: int = 1500) -> list:
+    """[`doc_prompts`]' docstrings as answers to "Explain what the Python function `NAME` does." (teacher-forced,
+    never generated)."""
+    return doc_prompts(seed, max_chars, answered=True)
+
+
 #: prompt sets the training CLI knows beyond `hf_adaptive_spec.data`'s benchmark sets
 PROMPT_SOURCES = {"stdlib": stdlib_code_prompts, "stdlib_methods": stdlib_method_prompts,
-                  "templates": template_prompts, "docs": doc_prompts}
+                  "templates": template_prompts, "docs": doc_prompts, "stdlib_solutions": stdlib_code_solutions,
+                  "stdlib_method_solutions": stdlib_method_solutions, "doc_explanations": doc_explanations}
