@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "the Python standard library's functions / methods), 'templates[:N]' (assistant "
                              "requests in MT-Bench's categories from fixed templates) and 'docs[:N]' (requests "
                              "about the standard library's docstrings: summarize, extract, explain, ...); ANSWERED "
-                             "sets, teacher-forced without generating (real text, ~15x cheaper on a CPU): "
+                             "sets, teacher-forced without generating (real text, ~10x cheaper on a CPU): "
                              "'stdlib_solutions[:N]' / 'stdlib_method_solutions[:N]' (the stdlib tasks answered "
                              "with the functions' own source) and 'doc_explanations[:N]' (docstrings as answers)")
     parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
@@ -194,8 +194,8 @@ def initialize_from(drafter, source) -> None:
         raise ValueError("--init-from: the drafter differs from the one being trained in " + ", ".join(pairs))
     state = {key: value for key, value in source.state_dict().items() if key != "draft_vocab"}
     missing, unexpected = drafter.load_state_dict(state, strict=False)
-    extra = {f"layers.{index}." for index in range(source.config.num_hidden_layers, drafter.config.num_hidden_layers)}
-    missing = [key for key in missing if key != "draft_vocab" and not key.startswith(tuple(extra))]
+    new_layers = tuple(f"layers.{i}." for i in range(source.config.num_hidden_layers, drafter.config.num_hidden_layers))
+    missing = [key for key in missing if key != "draft_vocab" and not key.startswith(new_layers)]
     if unexpected or missing:
         raise ValueError(f"--init-from: weights do not match (missing {missing}, unexpected {unexpected}).")
     with torch.no_grad():

@@ -225,10 +225,11 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     encoded_prompts = [prompt for prompt in prompts if isinstance(prompt, EncodedPrompt)]
     prompts = [prompt for prompt in prompts if not isinstance(prompt, EncodedPrompt)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    answerer = target if generate_dtype is None or generate_dtype == target.dtype else (
-        copy.deepcopy(target).to(generate_dtype))
-    answered = [prompt for prompt in prompts if getattr(prompt, "messages", prompt)[-1]["role"] == "assistant"]
-    prompts = [prompt for prompt in prompts if getattr(prompt, "messages", prompt)[-1]["role"] != "assistant"]
+    is_answered = {id(prompt): getattr(prompt, "messages", prompt)[-1]["role"] == "assistant" for prompt in prompts}
+    answered = [prompt for prompt in prompts if is_answered[id(prompt)]]
+    prompts = [prompt for prompt in prompts if not is_answered[id(prompt)]]
+    answerer = target if generate_dtype is None or generate_dtype == target.dtype or not (prompts or encoded_prompts) \
+        else copy.deepcopy(target).to(generate_dtype)  # no copy when nothing is generated
     all_encoded = []
     for prompt in prompts:
         messages = getattr(prompt, "messages", prompt)
