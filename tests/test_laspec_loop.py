@@ -77,6 +77,38 @@ def test_laspec_greedy_equals_plain(arch, batch_size):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
+def test_laspec_with_previous_state_fusion_equals_plain(arch):
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    drafter = _drafter(target, fuse_previous_state=True)
+    out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", spec_config={"verify_cost": False}, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_fused_state_follows_each_rows_accepted_path():
+    """prefill keeps each row's last prompt state, commit the state of each row's last ACCEPTED node."""
+    target = build_model("llama")
+    drafter = _drafter(target, fuse_previous_state=True)
+    state = block_module.BlockDrafter(drafter, target)
+    width = len(target.model.layers) + 1
+    gen = torch.Generator().manual_seed(0)
+    prompt_states = tuple(torch.randn(2, 5, 32, generator=gen) for _ in range(width))
+    slot_valid = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    state.prefill(prompt_states, slot_valid, torch.tensor([9, 10]))
+    encoded = drafter.encode_context(gather_target_hidden(prompt_states, drafter.config.target_layer_ids))
+    torch.testing.assert_close(state.previous_state, encoded[:, -1])
+    tree_states = tuple(torch.randn(2, 6, 32, generator=gen) for _ in range(width))
+    path_index = torch.tensor([[0, 2, 3, 5], [0, 1, 4, 0]])
+    accept_length = torch.tensor([1, 2])
+    state.commit(None, tree_states, path_index, accept_length, torch.tensor([11, 12]))
+    encoded = drafter.encode_context(gather_target_hidden(tree_states, drafter.config.target_layer_ids))
+    torch.testing.assert_close(state.previous_state, torch.stack([encoded[0, 2], encoded[1, 4]]))
+    assert state.root_position.tolist() == [7, 6]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
 def test_laspec_with_a_draft_vocabulary_equals_plain(arch):
     """Drafting over a subset of the vocabulary that misses some of the greedy tokens changes nothing."""
     target = build_model(arch)
@@ -125,7 +157,7 @@ def test_drafter_context_equals_recomputation(arch, recorded):
     """The context the loop accumulated from verification forwards == the target's states recomputed at once."""
     target = build_model(arch)
     inputs = make_inputs(arch, batch_size=2)
-    drafter = _drafter(target)
+    drafter = _drafter(target, fuse_previous_state=True)
     out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
                           spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 2})
     state = recorded[-1]
@@ -152,6 +184,9 @@ def test_drafter_context_equals_recomputation(arch, recorded):
                 got = got_all[row][:, kept]  # (H_kv, count, D)
                 want = want_all[row][:, real][:, :count]
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # the fused state is the encoded state at the position before the pending root
+        assert int(state.root_position[row]) == count
+        torch.testing.assert_close(state.previous_state[row], encoded[row][real][count - 1], atol=1e-4, rtol=1e-4)
     # everything but the final bonus token (not yet run by the target) is in the context
     assert int(state.context_valid.sum(-1).min()) >= out.shape[1] - inputs["input_ids"].shape[1] - 1
 

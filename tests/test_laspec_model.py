@@ -304,3 +304,36 @@ def test_precomputed_context_keys_values_give_the_same_block(target):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="context_position_ids"):
         drafter.forward_block(inputs["input_ids"], cached, position_ids=inputs["position_ids"])
+
+
+def test_previous_state_fusion(target):
+    """A zero fusion projection is the unfused drafter exactly; the state used by default is the context slot just
+    before the block; misuse is refused."""
+    plain = _drafter(target)
+    fused = _drafter(target, fuse_previous_state=True)
+    fused.load_state_dict(plain.state_dict(), strict=False)
+    inputs, _ = _inputs(target, plain)
+    with torch.no_grad():
+        fused.previous_proj.weight.zero_()
+        assert torch.equal(fused(**inputs).logits, plain(**inputs).logits)
+        fused.previous_proj.weight.normal_(0, 0.1)
+        default = fused(**inputs).logits
+        last = fused.encode_context(inputs["target_hidden"])[:, -1]  # position length - 2 = block start - 1
+        explicit = fused(**inputs, previous_state=last).logits
+        zero = fused(**inputs, previous_state=torch.zeros_like(last)).logits
+        # a block starting at position 0 has no state before it: it fuses zeros
+        first = fused(**{**inputs, "position_ids": inputs["position_ids"] - inputs["position_ids"][:, :1]}).logits
+        first_zero = fused(**{**inputs, "position_ids": inputs["position_ids"] - inputs["position_ids"][:, :1]},
+                           previous_state=torch.zeros_like(last)).logits
+    assert torch.equal(default, explicit)
+    assert (default - zero).abs().max() > 1e-3
+    torch.testing.assert_close(first, first_zero)
+    with pytest.raises(ValueError, match="fuse_previous_state"):
+        plain(**inputs, previous_state=last)
+    context = fused.encode_context(inputs["target_hidden"])
+    positions = torch.arange(context.shape[1]).expand(2, -1)
+    with pytest.raises(ValueError, match="previous_state"):
+        fused.forward_block(inputs["input_ids"], fused.context_kv(context, positions), context_position_ids=positions,
+                            position_ids=inputs["position_ids"])
+    with pytest.raises(ValueError, match="previous_state must have shape"):
+        fused(**inputs, previous_state=last[:, :5])

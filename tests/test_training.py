@@ -126,6 +126,34 @@ def test_all_blocks_in_one_row_equal_separate_calls(setup):
             torch.testing.assert_close(joint[:, cols], single, atol=1e-5, rtol=1e-5)
 
 
+def test_fused_blocks_in_one_row_equal_the_loops_form(setup):
+    """With fuse_previous_state, the training form (one row, every anchor, the state before each block taken
+    from the context) equals the decoding loop's form (precomputed keys/values and an explicit state)."""
+    target, config, examples = setup
+    torch.manual_seed(3)
+    drafter = LaSpecDrafterModel(LaSpecDrafterConfig(**{**config.to_dict(), "fuse_previous_state": True}))
+    drafter.attach_target(target).eval()
+    batch = make_batch(examples[:2], block_size=3, anchors=5, generator=random.Random(1), device="cpu")
+    with torch.no_grad():
+        context = drafter.encode_context(batch["context"])
+        joint = drafter.forward_block(batch["input_ids"], context, context_mask=batch["context_mask"],
+                                      position_ids=batch["position_ids"], block_length=3).logits
+        for row in range(2):
+            for a in range(5):
+                cols = slice(3 * a, 3 * a + 3)
+                anchor = int(batch["position_ids"][row, 3 * a])
+                kv = drafter.context_kv(context[row : row + 1, :anchor], torch.arange(anchor)[None])
+                single = drafter.forward_block(batch["input_ids"][row : row + 1, cols], kv,
+                                               context_position_ids=torch.arange(anchor)[None],
+                                               position_ids=batch["position_ids"][row : row + 1, cols],
+                                               previous_state=context[row : row + 1, anchor - 1]).logits
+                torch.testing.assert_close(joint[row : row + 1, cols], single, atol=1e-5, rtol=1e-5)
+        # the fused state matters: another state gives other logits
+        other = drafter.forward_block(batch["input_ids"][:1, :3], context[:1], position_ids=batch["position_ids"][:1, :3],
+                                      previous_state=context[:1, 0]).logits
+    assert (other - joint[:1, :3]).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("loss", ["acceptance", "ce"])
 def test_training_lowers_loss_and_raises_acceptance(setup, loss):
     _, _, examples = setup
@@ -251,6 +279,29 @@ def test_initialize_from_a_shallower_drafter_starts_with_its_outputs(setup):
     assert deep.layers[1].mlp.down_proj.weight.abs().sum() > 0  # and it trains
     with pytest.raises(ValueError, match="num_hidden_layers"):
         initialize_from(shallow, deep)
+
+
+def test_initialize_from_an_unfused_drafter_starts_with_its_outputs(setup):
+    from hf_adaptive_spec.training.cli import initialize_from
+
+    target, config, examples = setup
+    torch.manual_seed(1)
+    plain = LaSpecDrafterModel(config).attach_target(target)
+    fused = LaSpecDrafterModel(LaSpecDrafterConfig(**{**config.to_dict(), "fuse_previous_state": True}))
+    fused.attach_target(target)
+    initialize_from(fused, plain)
+    batch = make_batch(examples[:3], config.block_size, 4, random.Random(0), "cpu")
+    with torch.no_grad():
+        logits = [model.forward_block(batch["input_ids"], model.encode_context(batch["context"]),
+                                      context_mask=batch["context_mask"], position_ids=batch["position_ids"],
+                                      block_length=config.block_size).logits
+                  for model in (plain, fused)]
+    assert torch.equal(logits[0], logits[1])  # a zero fusion projection
+    train_drafter(fused, examples, [], TrainConfig(steps=2, eval_every=0, checkpoint_every=0, batch_sequences=2,
+                                                   anchors=4), progress=False)
+    assert fused.previous_proj.weight.abs().sum() > 0  # and it trains
+    with pytest.raises(ValueError, match="fuse_previous_state"):
+        initialize_from(plain, fused)
 
 
 def test_train_config_validation():

@@ -88,6 +88,7 @@ class BlockDrafter:
         self.context = None  # ContextKV: the context's keys/values in every drafter layer
         self.context_valid = None  # (B, C)
         self.context_positions = None  # (B, C)
+        self.previous_state = None  # (B, hidden) encoded state at root_position - 1 (fuse_previous_state only)
         self.root = None  # (B,) pending token
         self.root_position = None  # (B,)
         self.prompt_embeds = None  # (B, S, H) the target's input embeddings of the prompt (vision only)
@@ -154,7 +155,10 @@ class BlockDrafter:
         """Context from the target's prefill hidden states; the first generated token is the pending root."""
         self.context_valid = slot_valid
         self.context_positions = slot_valid.long().cumsum(-1) - 1
-        self.context = self.model.context_kv(self._encode(hidden_states), self.context_positions)
+        encoded = self._encode(hidden_states)  # (B, S, hidden)
+        self.context = self.model.context_kv(encoded, self.context_positions)
+        last = (slot_valid.long() * torch.arange(1, slot_valid.shape[1] + 1, device=slot_valid.device)).argmax(-1)
+        self.previous_state = encoded[torch.arange(encoded.shape[0], device=encoded.device), last]  # last prompt slot
         self.root = first_token
         self.root_position = slot_valid.sum(-1)
 
@@ -169,6 +173,7 @@ class BlockDrafter:
         valid = offsets <= accept_length[:, None]
         positions = self.root_position[:, None] + offsets
         self.context = self.context.extend(self.model.context_kv(new, positions))  # keys/values, projected once
+        self.previous_state = new.gather(1, accept_length[:, None, None].expand(-1, 1, new.shape[-1]))[:, 0]
         self.context_valid = torch.cat([self.context_valid, valid], dim=1)
         self.context_positions = torch.cat([self.context_positions, positions], dim=1)
         self.root_position = self.root_position + accept_length + 1
@@ -185,11 +190,12 @@ class BlockDrafter:
         input_ids = torch.zeros(batch, depth, dtype=torch.long, device=device)
         input_ids[:, 0] = self.root
         positions = self.root_position[:, None] + torch.arange(depth, device=device)
+        previous = self.previous_state if model.config.fuse_previous_state else None
         start = time.perf_counter()
         out = model.forward_block(input_ids, self.context, context_mask=self.context_valid,
                                   context_position_ids=self.context_positions, position_ids=positions,
                                   visual_embeds=self.visual_embeds, visual_mask=self.visual_valid,
-                                  output_logits=False)
+                                  output_logits=False, previous_state=previous)
         logits = model.draft_logits(out.last_hidden_state)  # the draft vocabulary only, when the drafter has one
         self.model_time += time.perf_counter() - start
         return logits

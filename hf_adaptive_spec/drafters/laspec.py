@@ -26,6 +26,12 @@ Design choices:
   `context_mask` is True and its position is strictly before the block's
   first position. A training batch may therefore share one full-sequence
   context between rows with different block anchors.
+* Previous-state fusion (`fuse_previous_state`, EAGLE-style): every block
+  position's input also gets `previous_proj(c_{p-1})`, the encoded target
+  state at the position just before the block's first token. That state is
+  what the target computed last; without fusion the block reaches it only
+  through attention, and a 1-layer drafter's query (the root token alone)
+  does not know what to look for. Blocks anchored at position 0 get zeros.
 * Vision: after each layer's self-attention, a gated cross-attention to the
   selected visual tokens, `h <- h + tanh(g) * CrossAttn(RMSNorm(h), V_sel)`,
   with one scalar gate `g` per layer initialised to 0: an untrained gate
@@ -97,6 +103,8 @@ class LaSpecDrafterConfig(PreTrainedConfig):
         max_position_embeddings (`int`, defaults to 4096): informational (RoPE is computed on the fly).
         target_model_name (`str`, *optional*): the target this drafter was trained for (model card).
         initializer_range (`float`, defaults to 0.02).
+        fuse_previous_state (`bool`, defaults to `False`): add a linear projection of the encoded target state at
+            the position before each block to every block position's input (see the module docstring).
         draft_vocab_size (`int`, *optional*): when set, drafting (not training) scores only these many tokens,
             the target's most frequent ones (the `draft_vocab` buffer, [`LaSpecDrafterModel.set_draft_vocabulary`]):
             the LM head is the drafter's largest cost and, on a CPU, memory-bound. Other tokens are never drafted
@@ -131,6 +139,7 @@ class LaSpecDrafterConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
     draft_vocab_size: int | None = None
+    fuse_previous_state: bool = False
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -447,6 +456,8 @@ class LaSpecDrafterModel(PreTrainedModel):
         self.input_proj = nn.Linear(config.target_hidden_size, config.hidden_size, bias=False) if needs_proj else None
         self.output_proj = nn.Linear(config.hidden_size, config.target_hidden_size, bias=False) if needs_proj else None
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size)) if config.mask_token_id is None else None
+        fuse = config.fuse_previous_state
+        self.previous_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False) if fuse else None
         self.layers = nn.ModuleList(LaSpecDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
         vocab = None if config.draft_vocab_size is None else torch.arange(config.draft_vocab_size)
@@ -591,6 +602,7 @@ class LaSpecDrafterModel(PreTrainedModel):
         position_ids: torch.Tensor | None = None,
         context_position_ids: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        previous_state: torch.Tensor | None = None,
     ) -> LaSpecDrafterOutput:
         r"""Draft one block.
 
@@ -608,6 +620,8 @@ class LaSpecDrafterModel(PreTrainedModel):
             context_position_ids (`torch.LongTensor` of shape `(B, C)`, *optional*): text positions of the context;
                 default `arange(C)`. Only slots with a position before `position_ids[:, 0]` are visible.
             output_hidden_states (`bool`): also return the per-layer block states.
+            previous_state (`torch.FloatTensor` of shape `(B, hidden_size)`, *optional*): with
+                `config.fuse_previous_state`, the ENCODED state before the block (default: taken from the context).
 
         Returns:
             [`LaSpecDrafterOutput`] with `logits` of shape `(B, L, vocab_size)`.
@@ -621,7 +635,7 @@ class LaSpecDrafterModel(PreTrainedModel):
         return self.forward_block(
             input_ids, self.encode_context(target_hidden), context_mask=context_mask, visual_embeds=visual_embeds,
             visual_mask=visual_mask, position_ids=position_ids, context_position_ids=context_position_ids,
-            output_hidden_states=output_hidden_states,
+            output_hidden_states=output_hidden_states, previous_state=previous_state,
         )
 
     def encode_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -650,6 +664,7 @@ class LaSpecDrafterModel(PreTrainedModel):
         output_hidden_states: bool = False,
         block_length: int | None = None,
         output_logits: bool = True,
+        previous_state: torch.Tensor | None = None,
     ) -> LaSpecDrafterOutput:
         """[`forward`] with an already encoded context `(B, C, hidden_size)` ([`encode_context`]), or its keys and
         values ([`ContextKV`] from [`context_kv`], at `context_position_ids`): the decoding loop's form.
@@ -665,6 +680,11 @@ class LaSpecDrafterModel(PreTrainedModel):
 
         `output_logits=False` skips the LM head (`logits` is None): a trainer that needs the logits at a few
         positions only maps those rows of `last_hidden_state` with [`logits_from_hidden`].
+
+        `previous_state` (`(B, hidden_size)`, or `(B, L // block_length, hidden_size)` one per block), used only with
+        `config.fuse_previous_state`: the encoded context at the position before each block's first token (zeros
+        where there is none). With a context tensor it defaults to the matching context slot; with a
+        [`ContextKV`] it must be given (a decoding loop keeps the last committed state).
         """
         embedding, lm_head = self._target()
         if input_ids.dim() != 2:
@@ -709,10 +729,16 @@ class LaSpecDrafterModel(PreTrainedModel):
                 visual_mask = torch.ones(visual_embeds.shape[:-1], dtype=torch.bool, device=device)
             visual_mask = visual_mask.bool()
         hidden = self._embed_block(input_ids, embedding, dtype, block_length)  # (B, L, hid)
-
-        # keys = [context (C) ; block (L)]: valid context strictly before the block, causal inside the block
         block_of = torch.arange(length, device=device) // block_length  # (L,)
         anchor = position_ids[:, block_of * block_length]  # (B, L): each query's block start
+        if self.previous_proj is not None:
+            previous = self._previous_state(previous_state, context, context_mask, context_position_ids,
+                                            position_ids[:, ::block_length], dtype)  # (B, nb, hid)
+            hidden = hidden + self.previous_proj(previous).repeat_interleave(block_length, dim=1)
+        elif previous_state is not None:
+            raise ValueError("previous_state is only read by a drafter with config.fuse_previous_state=True.")
+
+        # keys = [context (C) ; block (L)]: valid context strictly before the block, causal inside the block
         context_visible = context_mask.bool()[:, None, :] & (context_position_ids[:, None, :] < anchor[..., None])
         same_block = block_of[:, None] == block_of[None, :]
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril() & same_block  # (L, L)
@@ -732,6 +758,23 @@ class LaSpecDrafterModel(PreTrainedModel):
             hidden = self.output_proj(hidden)
         logits = self._lm_head(hidden, lm_head) if output_logits else None  # (B, L, V)
         return LaSpecDrafterOutput(logits=logits, hidden_states=all_hidden, last_hidden_state=hidden)
+
+
+    def _previous_state(self, previous_state, context, context_mask, context_position_ids, anchors, dtype):
+        """`(B, nb, hidden)`: the encoded context at position `anchor - 1` of each block (zeros if absent)."""
+        batch, num_blocks = anchors.shape
+        if previous_state is None:
+            if isinstance(context, ContextKV):
+                raise ValueError("A drafter with fuse_previous_state needs previous_state with a ContextKV context "
+                                 "(the encoded state at the position before the block).")
+            match = context_mask.bool()[:, None, :] & (context_position_ids[:, None, :] == anchors[..., None] - 1)
+            return torch.bmm(match.to(context.dtype), context).to(dtype)  # (B, nb, C) @ (B, C, hid)
+        if previous_state.dim() == 2:
+            previous_state = previous_state[:, None].expand(-1, num_blocks, -1)
+        if previous_state.shape != (batch, num_blocks, self.config.hidden_size):
+            raise ValueError(f"previous_state must have shape (batch={batch}, hidden_size={self.config.hidden_size}) "
+                             f"or (batch, blocks={num_blocks}, hidden_size); got {tuple(previous_state.shape)}.")
+        return previous_state.to(dtype)
 
 
 def register_auto_classes() -> None:

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="held-out share of the PROMPTS (all answers to a held-out prompt are held out)")
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--layers", type=int, default=1, help="drafter decoder layers (1-2)")
+    parser.add_argument("--fuse-previous-state", action="store_true",
+                        help="feed the target's state before each block into every block position's input "
+                             "(EAGLE-style fusion; see LaSpecDrafterConfig.fuse_previous_state)")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-sequences", type=int, default=4)
@@ -183,11 +186,15 @@ def initialize_from(drafter, source) -> None:
 
     `drafter` may have MORE decoder layers than `source`: the first ones get `source`'s layers, and each extra
     layer gets its residual branches' output projections (self-attention, visual cross-attention, MLP) zeroed,
-    so it starts as the identity and the deeper drafter's outputs equal `source`'s exactly before training."""
+    so it starts as the identity and the deeper drafter's outputs equal `source`'s exactly before training.
+    Likewise a `drafter` with `fuse_previous_state` from a `source` without it starts with a zero fusion
+    projection (same outputs)."""
     keys = ("block_size", "hidden_size", "target_layer_ids", "vocab_size", "num_visual_tokens")
     different = [key for key in keys if getattr(source.config, key, None) != getattr(drafter.config, key, None)]
     if source.config.num_hidden_layers > drafter.config.num_hidden_layers:
         different.append("num_hidden_layers")
+    if source.config.fuse_previous_state and not drafter.config.fuse_previous_state:
+        different.append("fuse_previous_state")
     if different:
         pairs = [f"{key} ({getattr(source.config, key, None)} vs {getattr(drafter.config, key, None)})"
                  for key in different]
@@ -195,13 +202,17 @@ def initialize_from(drafter, source) -> None:
     state = {key: value for key, value in source.state_dict().items() if key != "draft_vocab"}
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     new_layers = tuple(f"layers.{i}." for i in range(source.config.num_hidden_layers, drafter.config.num_hidden_layers))
-    missing = [key for key in missing if key != "draft_vocab" and not key.startswith(new_layers)]
+    new_fusion = drafter.config.fuse_previous_state and not source.config.fuse_previous_state
+    missing = [key for key in missing if key != "draft_vocab" and not key.startswith(new_layers)
+               and not (new_fusion and key == "previous_proj.weight")]
     if unexpected or missing:
         raise ValueError(f"--init-from: weights do not match (missing {missing}, unexpected {unexpected}).")
     with torch.no_grad():
         for layer in drafter.layers[source.config.num_hidden_layers :]:
             for projection in (layer.self_attn.o_proj, layer.visual_attn.o_proj, layer.mlp.down_proj):
                 projection.weight.zero_()
+        if new_fusion:
+            drafter.previous_proj.weight.zero_()
 
 
 def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> list:
@@ -308,6 +319,7 @@ def run(args) -> int:
     target = target.to(accelerator.device).eval().requires_grad_(False)
     drafter_config = LaSpecDrafterConfig.for_target(target, block_size=args.block_size,
                                                     num_hidden_layers=args.layers,
+                                                    fuse_previous_state=args.fuse_previous_state,
                                                     target_model_name=args.target)
     cache = Path(args.data_cache) if args.data_cache else None
     generate_dtype = None if args.generate_dtype == "same" else getattr(torch, args.generate_dtype)
