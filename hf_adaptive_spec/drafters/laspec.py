@@ -759,7 +759,6 @@ class LaSpecDrafterModel(PreTrainedModel):
         logits = self._lm_head(hidden, lm_head) if output_logits else None  # (B, L, V)
         return LaSpecDrafterOutput(logits=logits, hidden_states=all_hidden, last_hidden_state=hidden)
 
-
     def _previous_state(self, previous_state, context, context_mask, context_position_ids, anchors, dtype):
         """`(B, nb, hidden)`: the encoded context at position `anchor - 1` of each block (zeros if absent)."""
         batch, num_blocks = anchors.shape
