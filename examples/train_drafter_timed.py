@@ -31,6 +31,7 @@ parser.add_argument("--generate-batch-size", type=int, default=512)
 parser.add_argument("--samples-per-prompt", type=int, default=2)
 parser.add_argument("--max-new-tokens", type=int, default=128)
 parser.add_argument("--layers", type=int, default=1)
+parser.add_argument("--fuse-previous-state", action="store_true", help="see LaSpecDrafterConfig.fuse_previous_state")
 parser.add_argument("--batch-sequences", type=int, default=16)
 parser.add_argument("--anchors", type=int, default=32)
 parser.add_argument("--lr", type=float, default=1e-3)
@@ -58,6 +59,7 @@ accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() el
 target, tokenizer = load_model(args.target)
 target = target.to(accelerator.device).eval().requires_grad_(False)
 config = LaSpecDrafterConfig.for_target(target, block_size=4, num_hidden_layers=args.layers,
+                                        fuse_previous_state=args.fuse_previous_state,
                                         target_model_name=args.target_name)
 prompts = _prompts(args.specs)
 random.Random(0).shuffle(prompts)

@@ -122,10 +122,11 @@ def test_block_is_causal_and_context_stops_before_the_block(target):
     torch.testing.assert_close(longer, full, atol=1e-5, rtol=1e-5)
 
 
-def test_save_load_round_trip_through_auto_classes(target, tmp_path):
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
+def test_save_load_round_trip_through_auto_classes(target, tmp_path, fuse):
     register_auto_classes()
     register_auto_classes()  # idempotent
-    drafter = _drafter(target)
+    drafter = _drafter(target, fuse_previous_state=fuse)
     with torch.no_grad():
         drafter.layers[1].visual_gate.fill_(0.3)  # a trained gate must survive the round trip
     inputs, visual = _inputs(target, drafter)
@@ -142,6 +143,7 @@ def test_save_load_round_trip_through_auto_classes(target, tmp_path):
     assert isinstance(config, LaSpecDrafterConfig) and config.target_layer_ids == [0, 1]
     loaded = AutoModel.from_pretrained(tmp_path)
     assert isinstance(loaded, LaSpecDrafterModel) and not loaded.has_target
+    assert loaded.config.fuse_previous_state is fuse and (loaded.previous_proj is not None) is fuse
     loaded.attach_target(target).eval()
     with torch.no_grad():
         got = loaded(**inputs, visual_embeds=visual).logits

@@ -557,7 +557,8 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
     code = cli.main(["train-drafter", "--target", str(path), "--out", str(out), "--data", "humaneval[30:32]",
                      "stdlib_solutions[:2]", "--teacher-dtype", "bfloat16", "--data-cache", str(tmp_path / "d.pt"),
                      "--max-new-tokens", "12", "--steps", "3", "--anchors", "4", "--batch-sequences", "2",
-                     "--eval-fraction", "0.5", "--eval-every", "0", "--checkpoint-every", "2", "--no-progress"])
+                     "--eval-fraction", "0.5", "--eval-every", "0", "--checkpoint-every", "2", "--no-progress",
+                     "--fuse-previous-state"])
     assert code == 0
     assert (out / "model.safetensors").is_file() and (out / "checkpoint-2" / "training_state.pt").is_file()
     card = (out / "README.md").read_text()
@@ -573,7 +574,8 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
     for example in real:  # the chat-formatted real source: a code block right after the generation prompt
         assert tokenizer.decode(example.input_ids[: example.prompt_length]).endswith("<|im_start|>assistant\n")
         assert tokenizer.decode(example.input_ids[example.prompt_length :]).startswith("```python\ndef ")
-    assert load_drafter(out, model).has_target
+    drafter = load_drafter(out, model)
+    assert drafter.has_target and drafter.config.fuse_previous_state and drafter.previous_proj is not None
 
 
 def test_timed_training_example_on_real_smollm2(tmp_path_factory, tmp_path):
