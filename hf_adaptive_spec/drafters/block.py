@@ -88,7 +88,7 @@ class BlockDrafter:
         self.context = None  # ContextKV: the context's keys/values in every drafter layer
         self.context_valid = None  # (B, C)
         self.context_positions = None  # (B, C)
-        self.previous_state = None  # (B, hidden) encoded state at root_position - 1 (fuse_previous_state only)
+        self.previous_state = None  # (B, hidden) encoded state at root_position - 1 (read with fuse_previous_state)
         self.root = None  # (B,) pending token
         self.root_position = None  # (B,)
         self.prompt_embeds = None  # (B, S, H) the target's input embeddings of the prompt (vision only)
