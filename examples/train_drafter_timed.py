@@ -86,6 +86,7 @@ log(f"{len(train_examples)} train / {len(eval_examples)} held-out sequences, "
     f"{sum(len(e) for e in train_examples)} train tokens")
 
 drafter = LaSpecDrafterModel(config).to(accelerator.device).attach_target(target)
+draft_vocab = set_frequent_vocabulary(drafter, train_examples, 16384)  # trained over: ~2x faster steps
 train_seconds = args.budget - (time.time() - T0) - args.reserve
 train_config = TrainConfig(steps=100_000, learning_rate=args.lr, batch_sequences=args.batch_sequences,
                            anchors=args.anchors, loss="acceptance", checkpoint_every=0, eval_every=args.eval_every,
@@ -104,7 +105,7 @@ description = (
 out = Path(args.out)
 save_drafter_folder(drafter, out, train_examples, eval_examples, result, target=args.target_name,
                     data_description=description, train_seconds=train_seconds, device=str(accelerator.device),
-                    draft_vocab=set_frequent_vocabulary(drafter, train_examples, 16384))
+                    draft_vocab=draft_vocab)
 if result["evals"]:
     log(f"held-out tau_chain {result['evals'][-1]['tau_chain']:.3f} after {result['config']['steps_run']} steps")
 if args.copy_to:

@@ -515,9 +515,9 @@ def test_loss_on_labelled_positions_equals_the_full_logits_loss(setup, kind):
         expected = F.cross_entropy(full.transpose(1, 2), flat_labels, ignore_index=-100)
     else:
         expected = acceptance_aware_loss(full, flat_labels, accept_probs_from(full, flat_labels, greedy=True))
-    logits, keep = _labelled_logits(drafter, batch, 3)
-    assert logits.shape[0] == int((labels != -100).sum())
-    got = _loss(logits, keep, labels, kind)
+    logits, keep, kept_labels = _labelled_logits(drafter, batch, 3)
+    assert logits.shape[0] == int((labels != -100).sum()) and torch.equal(kept_labels, labels)
+    got = _loss(logits, keep, kept_labels, kind)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # and the gradients agree
     grads = torch.autograd.grad(got, drafter.context_proj.weight)[0]
@@ -530,6 +530,44 @@ def test_loss_on_labelled_positions_equals_the_full_logits_loss(setup, kind):
         expected = acceptance_aware_loss(full, flat_labels, accept_probs_from(full, flat_labels, greedy=True))
     torch.testing.assert_close(grads, torch.autograd.grad(expected, drafter.context_proj.weight)[0],
                                atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["acceptance", "ce"])
+def test_loss_over_a_draft_vocabulary_equals_the_decoding_logits_loss(setup, kind):
+    """With a draft vocabulary the loss runs over its tokens only and equals the loss of the decoding-time
+    logits (-inf outside it), a label outside it counting as no label (the chain cannot pass it)."""
+    import torch.nn.functional as F
+
+    from hf_adaptive_spec.drafters.laspec import acceptance_aware_loss, accept_probs_from
+    from hf_adaptive_spec.training.trainer import _labelled_logits, _loss
+
+    _, _, examples = setup
+    drafter = _fresh(setup)
+    batch = make_batch(examples[:3], block_size=3, anchors=8, generator=random.Random(2), device="cpu")
+    labels = batch["labels"]
+    present = labels[labels != -100].unique()
+    vocab = torch.cat([present[::2], torch.tensor([0, 1, 2])]).unique()  # half of the labels cannot be drafted
+    drafter.set_draft_vocabulary(vocab[torch.randperm(vocab.numel(), generator=torch.Generator().manual_seed(0))])
+    logits, keep, kept_labels = _labelled_logits(drafter, batch, 3)
+    assert logits.shape == (int(torch.isin(labels, vocab).sum()), vocab.numel())
+    got = _loss(logits, keep, kept_labels, kind)
+    context = drafter.encode_context(batch["context"])
+    hidden = drafter.forward_block(batch["input_ids"], context, context_mask=batch["context_mask"],
+                                   position_ids=batch["position_ids"], block_length=3,
+                                   output_logits=False).last_hidden_state
+    full = drafter.draft_logits(hidden).view(-1, 3, drafter.config.vocab_size)  # what decoding drafts from
+    flat_labels = torch.where(torch.isin(labels, vocab), labels, -100).view(-1, 3)
+    if kind == "ce":
+        expected = F.cross_entropy(full.transpose(1, 2), flat_labels, ignore_index=-100)
+    else:
+        expected = acceptance_aware_loss(full, flat_labels, accept_probs_from(full, flat_labels, greedy=True))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # held-out acceptance: a token outside the vocabulary is a miss (here: none of the labels can be drafted)
+    every_label = torch.cat([example.labels for example in examples[:3]]).unique()
+    others = torch.arange(drafter.config.vocab_size)
+    drafter.set_draft_vocabulary(others[~torch.isin(others, every_label)])
+    result = evaluate_acceptance(drafter, examples[:3], 3)
+    assert result["tau_chain"] == 1.0 and result["top1"] == [0.0, 0.0, 0.0]
 
 
 def test_stdlib_code_prompts():

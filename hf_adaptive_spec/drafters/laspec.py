@@ -566,6 +566,16 @@ class LaSpecDrafterModel(PreTrainedModel):
         rows of the LM head are computed (a cached copy) and every other token gets -inf."""
         if self.draft_vocab is None:
             return self.logits_from_hidden(hidden)
+        partial = self.draft_vocab_logits(hidden)  # (..., draft_vocab_size)
+        logits = partial.new_full((*partial.shape[:-1], self.config.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.draft_vocab, partial)
+
+    def draft_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary only, `(..., draft_vocab_size)` in `draft_vocab` order: the LM head's
+        rows of those tokens (held fixed; gradients reach `hidden` only). Training on them costs a fraction of
+        the full head and matches decoding, where no other token can be drafted."""
+        if self.draft_vocab is None:
+            raise ValueError("draft_vocab_logits needs a draft vocabulary (set_draft_vocabulary).")
         lm_head = self._target()[1]
         weight = lm_head.weight
         key = (weight.data_ptr(), weight.device, weight.dtype, weight._version, self.draft_vocab.data_ptr())
@@ -576,9 +586,16 @@ class LaSpecDrafterModel(PreTrainedModel):
             cached = (key, rows, bias)
             self.__dict__["_draft_head"] = cached
         _, rows, bias = cached
-        partial = F.linear(hidden.to(rows.dtype), rows, bias)  # (..., draft_vocab_size)
-        logits = partial.new_full((*partial.shape[:-1], self.config.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.draft_vocab, partial)
+        return F.linear(hidden.to(rows.dtype), rows, bias)
+
+    def draft_vocab_index(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's index in the draft vocabulary, -1 for tokens outside it (same shape as `token_ids`;
+        -100 labels stay -1)."""
+        if self.draft_vocab is None:
+            raise ValueError("draft_vocab_index needs a draft vocabulary (set_draft_vocabulary).")
+        lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        lookup[self.draft_vocab.to(token_ids.device)] = torch.arange(self.draft_vocab.numel(), device=token_ids.device)
+        return torch.where(token_ids >= 0, lookup[token_ids.clamp_min(0)], -1)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head (held fixed) over `last_hidden_state` rows `(..., target_hidden_size)`."""

@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="after training, run generate(spec_strategy='laspec') on N held-out prompts")
     parser.add_argument("--draft-vocab-size", type=int, default=16384,
                         help="draft over the N tokens the target produced most often in the training answers "
-                             "(a smaller LM head per round; outputs never change); 0 keeps the full vocabulary")
+                             "(a smaller LM head per round; outputs never change), chosen before training and "
+                             "trained over (~2x faster steps); 0 keeps the full vocabulary")
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                         help="dtype of the saved weights (they load in the target's dtype)")
     parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the final folder")
@@ -351,6 +352,11 @@ def run(args) -> int:
 
         initialize_from(drafter, load_drafter(args.init_from, target))
         print(f"initialized from {args.init_from}")
+    # chosen before training: the drafter trains over the tokens it will draft from (and ~2x faster)
+    draft_vocab = set_frequent_vocabulary(drafter, train_examples, args.draft_vocab_size)
+    if draft_vocab:
+        print(f"draft vocabulary: {draft_vocab['size']} tokens, {100 * draft_vocab['train_coverage']:.2f}% of the "
+              "training answers' tokens")
     started = time.perf_counter()
     result = train_drafter(drafter, train_examples, eval_examples, config, out_dir=out, resume=args.resume,
                            accelerator=accelerator, progress=not args.no_progress)
@@ -359,10 +365,6 @@ def run(args) -> int:
     if not accelerator.is_main_process:
         return 0
     drafter.eval()
-    draft_vocab = set_frequent_vocabulary(drafter, train_examples, args.draft_vocab_size)
-    if draft_vocab:
-        print(f"draft vocabulary: {draft_vocab['size']} tokens, {100 * draft_vocab['train_coverage']:.2f}% of the "
-              "training answers' tokens")
     generate_eval = []
     if args.eval_generate:
         chosen = [p for p in prompts if p.id in held_out and p.messages[-1]["role"] != "assistant"]
