@@ -167,7 +167,8 @@ def evaluate_acceptance(drafter, examples: list, block_size: int, anchors: int =
     """Held-out greedy acceptance of the drafter's chain, teacher-forced.
 
     For random anchors, the number of leading block positions whose argmax equals the target's greedy token
-    (positions without a label end the count). Returns `{"accepted": mean accepted per block,
+    (positions without a label end the count; with a draft vocabulary, the argmax is over it and a token
+    outside it is a miss, as in decoding). Returns `{"accepted": mean accepted per block,
     "tau_chain": 1 + accepted, "top1": per-position accuracy list}`.
     """
     model = drafter.module if hasattr(drafter, "module") else drafter
