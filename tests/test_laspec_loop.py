@@ -92,14 +92,14 @@ def test_fused_state_follows_each_rows_accepted_path():
     target = build_model("llama")
     drafter = _drafter(target, fuse_previous_state=True)
     state = block_module.BlockDrafter(drafter, target)
-    width = len(target.model.layers) + 1
+    width, hidden = len(target.model.layers) + 1, target.config.hidden_size
     gen = torch.Generator().manual_seed(0)
-    prompt_states = tuple(torch.randn(2, 5, 32, generator=gen) for _ in range(width))
+    prompt_states = tuple(torch.randn(2, 5, hidden, generator=gen) for _ in range(width))
     slot_valid = torch.tensor([[True] * 5, [False, False, True, True, True]])
     state.prefill(prompt_states, slot_valid, torch.tensor([9, 10]))
     encoded = drafter.encode_context(gather_target_hidden(prompt_states, drafter.config.target_layer_ids))
     torch.testing.assert_close(state.previous_state, encoded[:, -1])
-    tree_states = tuple(torch.randn(2, 6, 32, generator=gen) for _ in range(width))
+    tree_states = tuple(torch.randn(2, 6, hidden, generator=gen) for _ in range(width))
     path_index = torch.tensor([[0, 2, 3, 5], [0, 1, 4, 0]])
     accept_length = torch.tensor([1, 2])
     state.commit(None, tree_states, path_index, accept_length, torch.tensor([11, 12]))

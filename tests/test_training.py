@@ -33,6 +33,25 @@ def _fresh(setup, seed=0):
     return LaSpecDrafterModel(config).attach_target(target)
 
 
+def _fused(config):
+    return LaSpecDrafterModel(LaSpecDrafterConfig(**{**config.to_dict(), "fuse_previous_state": True}))
+
+
+def _few_steps(drafter, examples, steps):
+    train_drafter(drafter, examples, [], TrainConfig(steps=steps, eval_every=0, checkpoint_every=0,
+                                                     batch_sequences=2, anchors=4), progress=False)
+
+
+def _same_batch_logits(models, examples, block_size):
+    """Each model's logits for one training batch (all anchors of each row in one forward)."""
+    batch = make_batch(examples[:3], block_size, 4, random.Random(0), "cpu")
+    with torch.no_grad():
+        return [model.forward_block(batch["input_ids"], model.encode_context(batch["context"]),
+                                    context_mask=batch["context_mask"], position_ids=batch["position_ids"],
+                                    block_length=block_size).logits
+                for model in models]
+
+
 def test_examples_hold_the_targets_states_and_greedy_labels(setup):
     target, config, examples = setup
     example = examples[0]
@@ -131,8 +150,7 @@ def test_fused_blocks_in_one_row_equal_the_loops_form(setup):
     from the context) equals the decoding loop's form (precomputed keys/values and an explicit state)."""
     target, config, examples = setup
     torch.manual_seed(3)
-    drafter = LaSpecDrafterModel(LaSpecDrafterConfig(**{**config.to_dict(), "fuse_previous_state": True}))
-    drafter.attach_target(target).eval()
+    drafter = _fused(config).attach_target(target).eval()
     batch = make_batch(examples[:2], block_size=3, anchors=5, generator=random.Random(1), device="cpu")
     with torch.no_grad():
         context = drafter.encode_context(batch["context"])
@@ -239,8 +257,7 @@ def test_initialize_from_copies_a_trained_drafter(setup, tmp_path):
     target, config, examples = setup
     torch.manual_seed(1)
     trained = LaSpecDrafterModel(copy.deepcopy(config)).attach_target(target)  # its vocabulary is set below
-    train_drafter(trained, examples, [], TrainConfig(steps=3, eval_every=0, checkpoint_every=0, batch_sequences=2,
-                                                     anchors=4), progress=False)
+    _few_steps(trained, examples, 3)
     trained.set_draft_vocabulary(torch.arange(50))
     trained.save_pretrained(tmp_path / "d")
     fresh = _fresh(setup, seed=2)
@@ -260,22 +277,15 @@ def test_initialize_from_a_shallower_drafter_starts_with_its_outputs(setup):
     target, config, examples = setup
     torch.manual_seed(1)
     shallow = LaSpecDrafterModel(config).attach_target(target)
-    train_drafter(shallow, examples, [], TrainConfig(steps=3, eval_every=0, checkpoint_every=0, batch_sequences=2,
-                                                     anchors=4), progress=False)
+    _few_steps(shallow, examples, 3)
     deep_config = LaSpecDrafterConfig.for_target(target, block_size=config.block_size, num_hidden_layers=2)
     torch.manual_seed(2)
     deep = LaSpecDrafterModel(deep_config).attach_target(target)
     initialize_from(deep, shallow)
-    batch = make_batch(examples[:3], config.block_size, 4, random.Random(0), "cpu")
-    with torch.no_grad():
-        logits = [model.forward_block(batch["input_ids"], model.encode_context(batch["context"]),
-                                      context_mask=batch["context_mask"], position_ids=batch["position_ids"],
-                                      block_length=config.block_size).logits
-                  for model in (shallow, deep)]
+    logits = _same_batch_logits((shallow, deep), examples, config.block_size)
     assert torch.equal(logits[0], logits[1])  # the extra layer starts as the identity
     assert deep.layers[1].self_attn.q_proj.weight.abs().sum() > 0  # ... with trainable, non-zero inputs
-    train_drafter(deep, examples, [], TrainConfig(steps=2, eval_every=0, checkpoint_every=0, batch_sequences=2,
-                                                  anchors=4), progress=False)
+    _few_steps(deep, examples, 2)
     assert deep.layers[1].mlp.down_proj.weight.abs().sum() > 0  # and it trains
     with pytest.raises(ValueError, match="num_hidden_layers"):
         initialize_from(shallow, deep)
@@ -287,18 +297,11 @@ def test_initialize_from_an_unfused_drafter_starts_with_its_outputs(setup):
     target, config, examples = setup
     torch.manual_seed(1)
     plain = LaSpecDrafterModel(config).attach_target(target)
-    fused = LaSpecDrafterModel(LaSpecDrafterConfig(**{**config.to_dict(), "fuse_previous_state": True}))
-    fused.attach_target(target)
+    fused = _fused(config).attach_target(target)
     initialize_from(fused, plain)
-    batch = make_batch(examples[:3], config.block_size, 4, random.Random(0), "cpu")
-    with torch.no_grad():
-        logits = [model.forward_block(batch["input_ids"], model.encode_context(batch["context"]),
-                                      context_mask=batch["context_mask"], position_ids=batch["position_ids"],
-                                      block_length=config.block_size).logits
-                  for model in (plain, fused)]
+    logits = _same_batch_logits((plain, fused), examples, config.block_size)
     assert torch.equal(logits[0], logits[1])  # a zero fusion projection
-    train_drafter(fused, examples, [], TrainConfig(steps=2, eval_every=0, checkpoint_every=0, batch_sequences=2,
-                                                   anchors=4), progress=False)
+    _few_steps(fused, examples, 2)
     assert fused.previous_proj.weight.abs().sum() > 0  # and it trains
     with pytest.raises(ValueError, match="fuse_previous_state"):
         initialize_from(plain, fused)
