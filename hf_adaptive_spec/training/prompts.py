@@ -324,18 +324,18 @@ _PASSAGE_TEMPLATES = (
 def _passages(text: str, min_chars: int, max_chars: int) -> list:
     """Consecutive blank-line-separated blocks of `text`, joined into passages of `min_chars` to `max_chars`
     characters (a single longer block is skipped)."""
-    passages, current = [], []
+    passages, current, length = [], [], 0  # length: of "\n\n".join(current)
     for block in (b.strip() for b in text.replace("\r\n", "\n").split("\n\n")):
         if not block:
             continue
-        if current and len("\n\n".join(current + [block])) > max_chars:
-            passage = "\n\n".join(current)
-            if len(passage) >= min_chars:
-                passages.append(passage)
-            current = []
+        if current and length + 2 + len(block) > max_chars:
+            if length >= min_chars:
+                passages.append("\n\n".join(current))
+            current, length = [], 0
         if len(block) <= max_chars:
+            length += len(block) + (2 if current else 0)
             current.append(block)
-    if current and len("\n\n".join(current)) >= min_chars:
+    if current and length >= min_chars:
         passages.append("\n\n".join(current))
     return passages
 

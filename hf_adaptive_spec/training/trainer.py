@@ -181,14 +181,14 @@ def evaluate_acceptance(drafter, examples: list, block_size: int, anchors: int =
     seen = torch.zeros(block_size)
     for start in range(0, len(examples), 4):
         batch = make_batch(examples[start : start + 4], block_size, anchors, generator, device)
-        logits, keep, labels = _labelled_logits(model, batch, block_size)
-        right = torch.zeros_like(keep)
-        right[keep] = logits.argmax(-1) == labels[keep]  # (R, A, B)
-        labels = batch["labels"]  # a label the drafter cannot draft is a miss
+        logits, keep, drafted_labels = _labelled_logits(model, batch, block_size)
+        right = torch.zeros_like(keep)  # (R, A, B); a label the drafter cannot draft stays a miss
+        right[keep] = logits.argmax(-1) == drafted_labels[keep]
+        labelled = batch["labels"] != -100
         total += float(right.long().cumprod(-1).sum(-1).float().sum())
-        count += labels.shape[0] * labels.shape[1]
+        count += labelled.shape[0] * labelled.shape[1]
         hits += right.sum((0, 1)).float().cpu()
-        seen += (labels != -100).sum((0, 1)).float().cpu()
+        seen += labelled.sum((0, 1)).float().cpu()
     model.train(was_training)
     accepted = total / max(count, 1)
     return {"accepted": accepted, "tau_chain": 1.0 + accepted, "top1": (hits / seen.clamp_min(1)).tolist()}
