@@ -29,6 +29,28 @@ MULTIMODAL_KEYS = (
 )
 
 
+def cache_argument(model) -> str:
+    """The name under which `model.forward` takes its KV cache.
+
+    transformers 5.24 renamed `past_key_values` to `cache` (forward arguments, `generate`'s model kwargs and
+    model outputs); earlier 5.x releases use `past_key_values`. Passing the old name to 5.24 still works but
+    warns on every call.
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_from_kwargs(model_kwargs: dict):
+    """The target's cache among the model kwargs `generate` prepared (either release's name), or None."""
+    cache = model_kwargs.get("cache")
+    return cache if cache is not None else model_kwargs.get("past_key_values")
+
+
+def output_cache(output):
+    """The cache a model output carries (`cache` from transformers 5.24, `past_key_values` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
 def _text_config(model):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -74,7 +96,7 @@ def check_cache(cache, role: str) -> None:
     if bad:
         raise ValueError(f"The {role}'s cache has layers of type {bad}; spec_strategy supports DynamicLayer only.")
     if cache.get_seq_length() != 0:
-        raise ValueError("spec_strategy cannot continue from a non-empty past_key_values; pass a fresh cache or none.")
+        raise ValueError("spec_strategy cannot continue from a non-empty cache (past_key_values); pass a fresh cache or none.")
 
 
 def check_pair(target, drafter, tokenizer=None, assistant_tokenizer=None) -> None:

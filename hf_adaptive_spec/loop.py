@@ -17,7 +17,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import ops
 from .acceptance import sample_accept
-from .compat import check_cache, check_model, check_pair
+from .compat import cache_from_kwargs, check_cache, check_model, check_pair
 from .cost import CostModel, verifier_cost_profile
 from .drafters.block import BlockDrafter
 from .drafters.independent import IndependentDrafter
@@ -165,7 +165,7 @@ def speculative_decode(
     check_pair(model, assistant_model, tokenizer, assistant_tokenizer)
     if not model_kwargs.get("use_cache", True):
         raise ValueError("spec_strategy needs use_cache=True.")
-    cache = model_kwargs.get("past_key_values")
+    cache = cache_from_kwargs(model_kwargs)
     check_cache(cache, "target")
     if model_kwargs.get("position_ids") is None:
         raise ValueError(f"{type(model).__name__} gets no position_ids from generate; spec_strategy needs them.")
@@ -324,7 +324,6 @@ def speculative_decode(
         sequences=sequences,
         scores=_stack_steps(row_scores, buffer, sequences),
         logits=_stack_steps(row_logits, buffer, sequences),
-        past_key_values=None,
         spec_stats=stats,
     )
 

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from . import ops
+from .compat import cache_argument
 
 
 class ModelRunner:
@@ -45,6 +46,7 @@ class ModelRunner:
         self.rope_deltas = None if (deltas.dim() == 1 and not deltas.any()) else deltas
         self.dtype = model.dtype
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_argument = cache_argument(model)
         self.model_time = 0.0  # seconds inside the model's forward, for the time split
 
     @property
@@ -96,9 +98,9 @@ class ModelRunner:
             input_ids=input_ids,
             attention_mask=mask,  # (B, 1, M, S + T)
             position_ids=position_ids,
-            past_key_values=self.cache,
             use_cache=True,
             return_dict=True,
+            **{self._cache_argument: self.cache},
             **kwargs,
         )
         self.model_time += time.perf_counter() - start

@@ -16,7 +16,7 @@ Three model-agnostic pieces:
 Typical use (the decoding loop wires this; shapes in the docstrings):
 
     with QueryCapture(target, layer_ids=[4, 12, 20]) as capture:
-        out = target(**prompt, past_key_values=cache)
+        out = target(**prompt, cache=cache)  # past_key_values= before transformers 5.24
         store = VisualKeyStore.from_cache(cache, [4, 12, 20], prompt["input_ids"] == image_token_id)
         indices, cost = select_visual_tokens(capture.query_at(last_index), store, m_per_layer=16, keep=8)
 """

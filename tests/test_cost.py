@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_adaptive_spec import SageConfig, cost
+from hf_adaptive_spec.compat import output_cache
 from hf_adaptive_spec.cost import AcceptanceCalibrator, CostModel, CostProfile, choose_prefix, survival
 from hf_adaptive_spec.runner import ModelRunner
 from hf_adaptive_spec.tree import DraftTree
@@ -96,7 +97,7 @@ def test_measured_profile_leaves_the_cache_unchanged_and_is_cached(tmp_path, mon
     target = build_model("qwen2")
     inputs = make_inputs("qwen2", batch_size=2)
     out = target(**inputs, use_cache=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     keys = [layer.keys.clone() for layer in cache.layers]
     position_ids = torch.arange(inputs["input_ids"].shape[1]).expand(2, -1)
     runner = ModelRunner(target, cache, inputs["attention_mask"].bool(), position_ids)

@@ -1,12 +1,16 @@
 """The generate() hook: stock behaviour without spec_strategy, install/uninstall, and clear refusals."""
 
+import inspect
+import warnings
+
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerationMixin
 
 import hf_adaptive_spec
 from hf_adaptive_spec import ChainConfig, SageConfig, StaticTreeConfig
+from hf_adaptive_spec.compat import cache_argument, cache_from_kwargs, output_cache
 from hf_adaptive_spec.strategies import STRATEGIES, default_tree_paths
 from tiny_models import build_drafter, build_model, make_inputs
 
@@ -172,4 +176,30 @@ def test_quantized_drafter_keeps_output_exact(pair):
     expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
     out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=quantized,
                           spec_strategy="sage")
+    assert torch.equal(out, expected)
+
+
+def test_cache_argument_follows_the_installed_transformers(pair):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache`; both releases of the pinned range work."""
+    target, _, inputs = pair
+    name = cache_argument(target)
+    assert name in inspect.signature(target.forward).parameters
+
+    class OldStyle(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    assert cache_argument(OldStyle()) == "past_key_values"
+    cache = DynamicCache(config=target.config)
+    assert cache_from_kwargs({"past_key_values": cache}) is cache and cache_from_kwargs({"cache": cache}) is cache
+    assert output_cache(target(**inputs, use_cache=True, **{name: cache})) is cache
+
+
+def test_a_fresh_user_cache_is_accepted_and_runs_without_deprecation_warnings(pair):
+    target, drafter, inputs = pair
+    expected = target.generate(**inputs, max_new_tokens=8, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = target.generate(**inputs, max_new_tokens=8, do_sample=False, assistant_model=drafter,
+                              spec_strategy="sage", **{cache_argument(target): DynamicCache(config=target.config)})
     assert torch.equal(out, expected)

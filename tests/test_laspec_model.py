@@ -9,6 +9,7 @@ from safetensors import safe_open
 from tiny_models import TEXT_TOKEN_RANGE, VOCAB_SIZE, build_model
 from transformers import AutoConfig, AutoModel
 
+from hf_adaptive_spec.compat import cache_argument
 from hf_adaptive_spec.drafters.laspec import (
     LaSpecDrafterConfig,
     LaSpecDrafterModel,
@@ -237,7 +238,7 @@ def test_drafter_for_a_vlm_target_reads_selected_visual_tokens():
     inputs = make_inputs("qwen2_vl", batch_size=2)
     cache = DynamicCache(config=vlm.config)
     with torch.no_grad(), QueryCapture(vlm, layer_ids=[0, 1]) as capture:
-        hidden = vlm(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True).hidden_states
+        hidden = vlm(**inputs, use_cache=True, output_hidden_states=True, **{cache_argument(vlm): cache}).hidden_states
     store = VisualKeyStore.from_cache(cache, [0, 1], inputs["input_ids"] == IMAGE_ID)
     indices, _ = select_visual_tokens(capture.query_at(-1), store, m_per_layer=3, keep=3)  # (2, 3)
     visual = hidden[0].gather(1, indices[..., None].expand(-1, -1, hidden[0].shape[-1]))  # image embeddings

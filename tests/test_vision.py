@@ -8,6 +8,7 @@ from tiny_models import IMAGE_ID, build_model, make_inputs
 from transformers import DynamicCache
 
 from hf_adaptive_spec import ops
+from hf_adaptive_spec.compat import cache_argument
 from hf_adaptive_spec.vision import CAPTURE_ATTENTION, QueryCapture, VisualKeyStore, select_visual_tokens
 
 
@@ -128,11 +129,11 @@ def test_capture_matches_sdpa_for_a_multi_token_step_with_a_4d_mask():
     step_positions = mask.sum(-1, keepdim=True) + depths  # (B, 3)
 
     def run():
-        cache = DynamicCache(config=model.config)
+        cache = {cache_argument(model): DynamicCache(config=model.config)}
         with torch.no_grad():
-            model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True)
+            model(**inputs, position_ids=positions, use_cache=True, **cache)
             return model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_positions,
-                         past_key_values=cache, use_cache=True).logits
+                         use_cache=True, **cache).logits
 
     expected = run()
     with QueryCapture(model, layer_ids=[1]) as capture:
@@ -147,7 +148,7 @@ def test_selection_in_a_tiny_vlm_returns_image_positions():
     inputs = make_inputs(arch, batch_size=2)  # rows hold 4 and 6 image tokens
     cache = DynamicCache(config=model.config)
     with torch.no_grad(), QueryCapture(model, layer_ids=[0, 1]) as capture:
-        model(**inputs, past_key_values=cache, use_cache=True)
+        model(**inputs, use_cache=True, **{cache_argument(model): cache})
     visual_mask = inputs["input_ids"] == IMAGE_ID
     store = VisualKeyStore.from_cache(cache, [0, 1], visual_mask)
     assert store.counts == (4, 6)

@@ -14,7 +14,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from ..compat import MULTIMODAL_KEYS, check_cache
+from ..compat import MULTIMODAL_KEYS, cache_argument, check_cache
 from ..runner import ModelRunner
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
@@ -45,10 +45,10 @@ class IndependentDrafter:
         kwargs = {k: raw_inputs[k] for k in MULTIMODAL_KEYS if raw_inputs.get(k) is not None and k in accepted}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
-        position_ids = model._prepare_position_ids_for_generation(input_ids, {**kwargs, "past_key_values": cache})
+        cache_kwargs = {cache_argument(model): cache}
+        position_ids = model._prepare_position_ids_for_generation(input_ids, {**kwargs, **cache_kwargs})
         inputs = model.prepare_inputs_for_generation(
-            input_ids, past_key_values=cache, position_ids=position_ids, use_cache=True, is_first_iteration=True,
-            **kwargs,
+            input_ids, position_ids=position_ids, use_cache=True, is_first_iteration=True, **cache_kwargs, **kwargs,
         )
         if "logits_to_keep" in accepted:
             inputs["logits_to_keep"] = 1

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..compat import cache_argument
 from ..drafters.laspec import gather_target_hidden
 
 __all__ = ["DrafterExample", "EncodedPrompt", "build_examples", "frequent_tokens", "examples_from_sequences", "load_examples", "save_examples"]
@@ -157,8 +158,8 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
         else:
             cache = DynamicCache(config=target.config)
             with QueryCapture(target, layer_ids) as capture:
-                out = target(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], past_key_values=cache,
-                             use_cache=True, output_hidden_states=True, **extra)
+                out = target(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], use_cache=True,
+                             output_hidden_states=True, **{cache_argument(target): cache}, **extra)
             store = VisualKeyStore.from_cache(cache, layer_ids, mask)
             queries = {layer: query[0].transpose(0, 1) for layer, query in capture.queries.items()}  # (L, H, D)
             slots = []
