@@ -242,25 +242,44 @@ def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token)
 
 
 class CostModel:
-    """What the loop gives a cost-aware strategy: the profile, calibration, and the running t_token."""
+    """What the loop gives a cost-aware strategy: the profile, calibration, and the running t_token.
 
-    def __init__(self, profile: CostProfile, max_tokens: int, device, smoothing: float = 0.3):
+    On a CPU the profile is also rescaled by the verification times the loop measures (`scale`, a running
+    ratio of measured to profiled seconds): the profile is measured once per machine and kept on disk, often
+    right after start-up (measured here: T(1) 57 ms in the first sweeps, 36 ms a few seconds later), and a
+    profile slower than the machine is now overprices every extra node against the live t_token. Its shape
+    is kept, its level follows the machine. On a GPU host times of a forward are launch times, so the
+    profile is used as measured.
+    """
+
+    def __init__(self, profile: CostProfile, max_tokens: int, device, smoothing: float = 0.3,
+                 live_scale: bool | None = None):
         self.profile = profile
-        self.table = profile.table(max_tokens + 1, device=device)
+        self._seconds = [profile.time(n) for n in range(max_tokens + 2)]  # host copy: no device read per round
+        self.table = torch.tensor(self._seconds, dtype=torch.float32, device=device)
         self.calibrator = AcceptanceCalibrator(device=device)
         # before any round: one plain decoding step per token (a device scalar: updating it needs no host sync)
         self.seconds_per_token = torch.tensor(profile.time(1), dtype=torch.float32, device=device)
         self.smoothing = smoothing
+        self.live_scale = torch.device(device).type == "cpu" if live_scale is None else live_scale
+        self.scale = 1.0
 
     def prune(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
         """`(keep (B, N), n)` for `tree` (see `choose_prefix`)."""
         pi = survival(tree, self.calibrator(tree.probs))
-        return choose_prefix(pi, self.table, self.seconds_per_token)
+        return choose_prefix(pi, self.table * self.scale, self.seconds_per_token)
 
-    def observe(self, tree, target_choice: torch.Tensor, round_seconds: float, tokens: torch.Tensor) -> None:
-        """Learn from a verified round: calibration from its nodes, t_token from its time and `tokens` (0-d)."""
+    def observe(self, tree, target_choice: torch.Tensor, round_seconds: float, tokens: torch.Tensor,
+                verify_seconds: float | None = None) -> None:
+        """Learn from a verified round: calibration from its nodes, t_token from its time and `tokens` (0-d),
+        and (with `live_scale`) the profile's scale from `verify_seconds`, the time of its verification forward
+        over the `tree`'s `N` tokens."""
         self.calibrator.observe(tree, target_choice)
         rate = round_seconds / tokens.clamp_min(1)
         self.seconds_per_token = torch.where(
             tokens > 0, self.seconds_per_token + self.smoothing * (rate - self.seconds_per_token),
             self.seconds_per_token)
+        if verify_seconds is not None and self.live_scale:
+            size = min(tree.tokens.shape[1], len(self._seconds) - 1)
+            ratio = verify_seconds / self._seconds[size]
+            self.scale += self.smoothing * (ratio - self.scale)

@@ -248,7 +248,7 @@ def speculative_decode(
         # deepest useful draft: the bonus token needs one slot of the remaining budget
         max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
         draft_model_time = drafter.model_time
-        tree = drafter.draft(strategy, process_draft, max_depth, sample=do_sample)
+        tree = drafter.draft(strategy, process_draft if len(logits_processor) else None, max_depth, sample=do_sample)
         elapsed = clock.lap()
         stats.time_draft += drafter.model_time - draft_model_time
         stats.time_tree += elapsed - (drafter.model_time - draft_model_time)
@@ -265,8 +265,9 @@ def speculative_decode(
         else:
             outputs = target.forward(tree.tokens, tree.parents, tree.valid)  # (B, N, V) logits, ONE forward
         elapsed = clock.lap()
-        stats.time_verify += target.model_time - verify_model_time
-        stats.time_tree += elapsed - (target.model_time - verify_model_time)
+        verify_seconds = target.model_time - verify_model_time
+        stats.time_verify += verify_seconds
+        stats.time_tree += elapsed - verify_seconds
 
         raw = outputs.logits.to(torch.float32)
         verify_hidden = outputs.hidden_states if block_drafter else None
@@ -310,7 +311,7 @@ def speculative_decode(
         del verify_hidden
         stats.time_compact += clock.lap()
         if cost is not None:
-            cost.observe(tree, scores.argmax(-1), time.perf_counter() - round_start, counts.sum())
+            cost.observe(tree, scores.argmax(-1), time.perf_counter() - round_start, counts.sum(), verify_seconds)
 
     if streamer is not None:
         streamer.end()

@@ -144,3 +144,24 @@ def test_cost_model_tracks_seconds_per_token():
     assert float(model.seconds_per_token) == pytest.approx(1.5)
     model.observe(tree, torch.tensor([[11, 0]]), round_seconds=9.0, tokens=torch.tensor(0))  # nothing produced
     assert float(model.seconds_per_token) == pytest.approx(1.5)
+
+
+def test_measured_verification_times_rescale_the_profile():
+    """A profile measured when the machine was 4x slower prices nodes as the machine is now once rounds are timed."""
+    slow = CostProfile(sizes=[1, 2, 3], seconds=[4.0, 4.0, 8.0])  # 4x what a forward costs now
+    tree = _tree([-1, 0, 1], [1.0, 0.9, 0.6])  # root -> a -> b
+    model = CostModel(slow, max_tokens=8, device="cpu", smoothing=0.5)
+    model.seconds_per_token = torch.tensor(1.5)  # live: 1.5 s per token
+    # b's pi ~ 0.9 * 0.6 ~ 0.55 does not pay T(3) - T(2) = 4 s at 1.5 s/token (2.7 tokens)
+    assert int(model.prune(tree)[1]) == 1
+    for _ in range(12):  # the loop measures forwards over these 3 tokens at 2 s (profile: 8 s)
+        model.observe(tree, torch.tensor([[11, 12, 0]]), round_seconds=3.0, tokens=torch.tensor(2),
+                      verify_seconds=2.0)
+    assert model.scale == pytest.approx(0.25, rel=1e-3)
+    model.seconds_per_token = torch.tensor(1.5)
+    assert int(model.prune(tree)[1]) == 2  # T(3) - T(2) is now 1 s: b pays
+    fixed = CostModel(slow, max_tokens=8, device="cpu", live_scale=False)  # e.g. a GPU: host times are launches
+    fixed.observe(tree, torch.tensor([[11, 12, 0]]), 3.0, torch.tensor(2), verify_seconds=2.0)
+    assert fixed.scale == 1.0
+    assert CostModel(slow, max_tokens=8, device="cpu").live_scale
+    assert not CostModel(slow, max_tokens=8, device="meta").live_scale

@@ -33,7 +33,7 @@ def recorded(monkeypatch):
 def _oracle(monkeypatch, continuation, corrupt_every=0):
     """Make the block drafter propose the plain greedy continuation (optionally wrong at every n-th depth)."""
 
-    def block_logits(self, depth):
+    def block_scores(self, depth):
         batch = self.root.shape[0]
         vocab = self.model.config.vocab_size
         logits = torch.full((batch, depth, vocab), -10.0)
@@ -45,7 +45,7 @@ def _oracle(monkeypatch, continuation, corrupt_every=0):
                 if corrupt_every and (index % corrupt_every == corrupt_every - 1):
                     token = 8 + (token + 1) % 100
                 logits[row, k, token] = 10.0
-        return logits
+        return logits, None  # over the whole vocabulary
 
     original_prefill, original_commit = block_module.BlockDrafter.prefill, block_module.BlockDrafter.commit
 
@@ -57,7 +57,7 @@ def _oracle(monkeypatch, continuation, corrupt_every=0):
         original_commit(self, tree, hidden_states, path_index, accept_length, bonus)
         self.generated = self.generated + accept_length + 1
 
-    monkeypatch.setattr(block_module.BlockDrafter, "block_logits", block_logits)
+    monkeypatch.setattr(block_module.BlockDrafter, "block_scores", block_scores)
     monkeypatch.setattr(block_module.BlockDrafter, "prefill", prefill)
     monkeypatch.setattr(block_module.BlockDrafter, "commit", commit)
 
@@ -123,6 +123,38 @@ def test_laspec_with_a_draft_vocabulary_equals_plain(arch):
     assert torch.equal(out.sequences, expected)
     drafted = out.spec_stats.drafted_tokens
     assert drafted > 0
+
+
+@pytest.mark.parametrize("strategy", ["laspec", "sage", "chain"])
+@pytest.mark.parametrize("draft_vocabulary", [False, True])
+def test_top_k_once_per_depth_builds_the_per_node_tree(strategy, draft_vocabulary, monkeypatch):
+    """Without logits processors the block drafter takes each depth's top-k once (over its draft vocabulary);
+    every round's tree equals the one built node by node from the full-vocabulary logits."""
+    target = build_model("llama")
+    inputs = make_inputs("llama", batch_size=2)
+    drafter = _drafter(target, seed=3)
+    if draft_vocabulary:
+        drafter.set_draft_vocabulary(torch.arange(0, 128, 2))
+    original = block_module.BlockDrafter.draft
+    compared = []
+
+    def both(self, strategy_object, process, max_depth, sample=False, generator=None):
+        assert process is None  # no logits processors in this generate call
+        per_node = original(self, strategy_object, lambda logits, *_: logits, max_depth, sample, generator)
+        shared = original(self, strategy_object, None, max_depth, sample, generator)
+        for name in ("tokens", "parents", "valid"):
+            assert torch.equal(getattr(shared, name), getattr(per_node, name)), name
+        torch.testing.assert_close(shared.probs, per_node.probs)
+        compared.append(shared.tokens.shape[1])
+        return shared
+
+    monkeypatch.setattr(block_module.BlockDrafter, "draft", both)
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    config = {"laspec": {"verify_cost": False, "top_k": 3, "n_max": 10}, "sage": None, "chain": None}[strategy]
+    out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,
+                          spec_strategy=strategy, spec_config=config)
+    assert torch.equal(out, expected)
+    assert len(compared) >= 3 and max(compared) > 2  # real trees, over several rounds
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])

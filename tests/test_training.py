@@ -764,14 +764,15 @@ def test_vlm_examples_reproduce_every_round_of_the_loop(arch, monkeypatch):
     anchor (recorded context, per-anchor visual selection) gives the same block logits as the loop's drafter."""
     target, inputs, drafter, block_module = _vision_setup(arch)
     rounds = []
-    original = block_module.BlockDrafter.block_logits
+    original = block_module.BlockDrafter.block_scores
 
     def recording(self, depth):
-        logits = original(self, depth)
-        rounds.append((int(self.root_position[0]), logits[0].clone()))
-        return logits
+        scores, vocab = original(self, depth)
+        assert vocab is None  # no draft vocabulary: the scores are the logits
+        rounds.append((int(self.root_position[0]), scores[0].clone()))
+        return scores, vocab
 
-    monkeypatch.setattr(block_module.BlockDrafter, "block_logits", recording)
+    monkeypatch.setattr(block_module.BlockDrafter, "block_scores", recording)
     out = target.generate(**inputs, max_new_tokens=14, do_sample=False, assistant_model=drafter,
                           spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 1})
     assert torch.equal(out, target.generate(**inputs, max_new_tokens=14, do_sample=False))

@@ -182,8 +182,9 @@ class BlockDrafter:
     # ---- drafting
 
     @torch.no_grad()
-    def block_logits(self, depth: int) -> torch.Tensor:
-        """`(B, depth, V)`: the drafter's logits for the next `depth` tokens after the root."""
+    def block_scores(self, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(scores (B, depth, V'), vocab)`: the drafter's logits for the next `depth` tokens after the root, over
+        its draft vocabulary `vocab` `(V',)` (token ids) when it has one, else over the whole vocabulary (None)."""
         model = self.model
         batch = self.root.shape[0]
         device = self.root.device
@@ -196,34 +197,62 @@ class BlockDrafter:
                                   context_position_ids=self.context_positions, position_ids=positions,
                                   visual_embeds=self.visual_embeds, visual_mask=self.visual_valid,
                                   output_logits=False, previous_state=previous)
-        logits = model.draft_logits(out.last_hidden_state)  # the draft vocabulary only, when the drafter has one
+        hidden = out.last_hidden_state
+        if model.draft_vocab is None:
+            scores, vocab = model.logits_from_hidden(hidden), None
+        else:
+            scores, vocab = model.draft_vocab_logits(hidden), model.draft_vocab
         self.model_time += time.perf_counter() - start
-        return logits
+        return scores, vocab
+
+    def block_logits(self, depth: int) -> torch.Tensor:
+        """`(B, depth, V)`: the block's logits over the whole vocabulary (-inf outside a draft vocabulary)."""
+        return _full_vocabulary(*self.block_scores(depth), self.model.config.vocab_size)
 
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None) -> DraftTree:
-        """One round's tree (same contract as `IndependentDrafter.draft`); node 0 is the pending root."""
+        """One round's tree (same contract as `IndependentDrafter.draft`); node 0 is the pending root.
+
+        `process` None means no logits processors: every node of a depth is then offered the same distribution,
+        so under greedy drafting its top-k is computed once per depth, over the draft vocabulary only.
+        """
         batch = self.root.shape[0]
         device = self.root.device
         depth_limit = max(1, min(self.block_size, int(max_depth.max())))
-        logits = self.block_logits(depth_limit).float()  # (B, L, V)
-        no_path = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
-        ones = torch.ones(batch, 1, dtype=torch.bool, device=device)
-        root_logits = process(logits[:, :1], no_path, torch.zeros(batch, 1, dtype=torch.long, device=device), ones)
+        scores, vocab = self.block_scores(depth_limit)
+        scores = scores.float()  # (B, L, V')
+        vocab_size = self.model.config.vocab_size
+        shared = process is None and not sample
+        if shared:
+            k = min(strategy.max_children, scores.shape[-1])
+            top_probs, top_index = torch.softmax(scores, dim=-1).topk(k, dim=-1)  # (B, L, k)
+            top_tokens = top_index if vocab is None else vocab[top_index]
+            root_logits = _full_vocabulary(scores[:, :1], vocab, vocab_size)
+        else:
+            logits = _full_vocabulary(scores, vocab, vocab_size)  # (B, L, V)
+            k = min(strategy.max_children, logits.shape[-1])
+            no_path = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
+            root_logits = process(logits[:, :1], no_path, torch.zeros(batch, 1, dtype=torch.long, device=device),
+                                  torch.ones(batch, 1, dtype=torch.bool, device=device))
         strategy.on_root(root_logits[:, 0])
 
         builder = TreeBuilder()
+        ones = torch.ones(batch, 1, dtype=torch.bool, device=device)
         unit = torch.ones(batch, 1, device=device)
         minus = torch.full((batch, 1), -1, dtype=torch.long, device=device)
         node_index = builder.add_level(self.root[:, None], minus, ones, unit, unit, minus)
         frontier_nodes = node_index[None, :].expand(batch, 1)
         frontier = Frontier(probs=unit, cum_probs=unit, valid=ones)
-        frontier_paths = no_path
-        frontier_logits = root_logits  # (B, F, V)
-        k = min(strategy.max_children, logits.shape[-1])
+        frontier_paths = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
+        frontier_logits = None if shared else root_logits  # (B, F, V)
         for level in range(1, depth_limit + 1):
+            candidates = None
+            if shared:
+                width = frontier.valid.shape[1]
+                candidates = (top_probs[:, level - 1 : level].expand(-1, width, -1),
+                              top_tokens[:, level - 1 : level].expand(-1, width, -1))
             chosen = choose_level(strategy, level, frontier, frontier_nodes, frontier_logits, k, max_depth, builder,
-                                  sample, generator, may_expand=level < depth_limit)
+                                  sample, generator, may_expand=level < depth_limit, candidates=candidates)
             if chosen is None:
                 break
             node_index = builder.add_level(chosen.tokens, frontier_nodes.gather(1, chosen.parent), chosen.valid,
@@ -232,8 +261,17 @@ class BlockDrafter:
                 break
             block_tokens, _, frontier_paths, frontier_nodes, frontier = chosen.next_frontier(
                 node_index, frontier_paths, level)
-            # every node of this depth is offered the block's next distribution, processed with its own prefix
-            next_logits = logits[:, level : level + 1].expand(-1, chosen.num_grow, -1)
-            frontier_logits = process(next_logits, frontier_paths, torch.full_like(block_tokens, level),
-                                      chosen.grow_valid)
+            if not shared:
+                # every node of this depth is offered the block's next distribution, processed with its own prefix
+                next_logits = logits[:, level : level + 1].expand(-1, chosen.num_grow, -1)
+                frontier_logits = process(next_logits, frontier_paths, torch.full_like(block_tokens, level),
+                                          chosen.grow_valid)
         return builder.build()
+
+
+def _full_vocabulary(scores: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Scores over a draft vocabulary `vocab` spread to the whole vocabulary, -inf elsewhere (as is if None)."""
+    if vocab is None:
+        return scores
+    full = scores.new_full((*scores.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, vocab, scores)

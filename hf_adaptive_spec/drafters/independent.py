@@ -75,8 +75,8 @@ class IndependentDrafter:
 
         Args:
             strategy (`Strategy`): decides which candidates enter and grow.
-            process (callable): `process(logits (B, X, V), paths (B, X, D), depths (B, X), valid (B, X))` applies
-                generate's logits processors with each node's own prefix.
+            process (callable or None): `process(logits (B, X, V), paths (B, X, D), depths (B, X), valid (B, X))`
+                applies generate's logits processors with each node's own prefix; None when there are none.
             max_depth (`torch.LongTensor` of shape `(B,)`): deepest level each row may draft (its token budget).
             sample (`bool`): draw each node's children without replacement from the processed drafter
                 distribution q (exponential race = Gumbel-top-k) and keep q in the tree; else take the top-k.
@@ -85,6 +85,8 @@ class IndependentDrafter:
         Returns:
             `DraftTree` whose root (node 0) is the last pending token.
         """
+        if process is None:
+            process = _unprocessed
         runner = self.runner
         tokens, valid = self.pending, self.pending_valid
         batch, num_pending = tokens.shape
@@ -171,3 +173,7 @@ class IndependentDrafter:
         else:
             self.pending = bonus[:, None]
             self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)
+
+
+def _unprocessed(logits, paths, depths, valid):
+    return logits

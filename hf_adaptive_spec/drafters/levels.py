@@ -52,29 +52,37 @@ class Level:
         return tokens, parent, new_paths, nodes, frontier
 
 
-def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch.Tensor, logits: torch.Tensor,
+def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch.Tensor, logits: torch.Tensor | None,
                  k: int, max_depth: torch.Tensor, builder, sample: bool, generator=None,
-                 may_expand: bool = True) -> Level | None:
+                 may_expand: bool = True, candidates: tuple | None = None) -> Level | None:
     """Children of the frontier at `level`, or None when the strategy takes none.
 
     Args:
-        logits (`torch.FloatTensor` of shape `(B, F, V)`): processed drafter logits at the frontier (q).
+        logits (`torch.FloatTensor` of shape `(B, F, V)`): processed drafter logits at the frontier (q); None
+            when `candidates` are given.
         k (`int`): candidates offered per node.
         max_depth (`torch.LongTensor` of shape `(B,)`): deepest level each row may draft.
         builder (`TreeBuilder`): receives q of each frontier node under sampling.
         sample (`bool`): draw the candidates without replacement from q (exponential race = Gumbel-top-k)
             instead of taking its top-k.
         may_expand (`bool`): False when the drafter cannot go deeper than this level.
+        candidates (`(probs, tokens)`, each `(B, F, k)`, *optional*): the frontier's top-k already computed
+            (greedy only: a block drafter without logits processors offers every node of a depth the same
+            distribution, so its top-k is taken once per depth, not once per node).
     """
-    probs = torch.softmax(logits, dim=-1)  # (B, F, V)
-    if sample:
+    if candidates is not None:
+        if sample:
+            raise ValueError("choose_level draws from the logits when sampling; precomputed candidates are greedy.")
+        top_probs, top_tokens = candidates
+    elif sample:
+        probs = torch.softmax(logits, dim=-1)  # (B, F, V)
         builder.draft_probs.append((torch.where(frontier.valid, frontier_nodes, -1), probs))
         # exponential race: the top-k of q / E, E ~ Exp(1), is a draw of k tokens without replacement
         race = probs / torch.empty_like(probs).exponential_(generator=generator)
         top_tokens = race.topk(k, dim=-1).indices
         top_probs = probs.gather(-1, top_tokens)
     else:
-        top_probs, top_tokens = probs.topk(k, dim=-1)  # (B, F, K)
+        top_probs, top_tokens = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # (B, F, K)
     take, expand = strategy.select(level, frontier, top_probs)
     take = take & (top_probs > 0) & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
     expand = expand & take & (level < max_depth)[:, None, None] & may_expand
