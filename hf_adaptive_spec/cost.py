@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,8 +39,8 @@ import torch
 from . import ops
 from .strategies.base import descending_rank
 
-__all__ = ["AcceptanceCalibrator", "CostModel", "CostProfile", "choose_prefix", "measure_verifier_cost",
-           "verifier_cost_profile"]
+__all__ = ["AcceptanceCalibrator", "Calibration", "CostModel", "CostProfile", "LookupCalibrator", "choose_prefix",
+           "measure_verifier_cost", "shared_calibration", "verifier_cost_profile"]
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 _MEMORY: dict[str, "CostProfile"] = {}
@@ -197,14 +198,46 @@ class AcceptanceCalibrator:
         return (self.accepted / self.total)[self._bin(probs)]
 
     def observe(self, tree, target_choice: torch.Tensor) -> None:
-        """Learn from one verified tree: node i was right iff its token is the target's choice after its parent."""
-        nodes = tree.valid.clone()
-        nodes[:, 0] = False
-        parent_choice = target_choice.gather(1, tree.parents.clamp_min(0))
-        right = (tree.tokens == parent_choice) & nodes
+        """Learn from one verified tree: node i was right iff its token is the target's choice after its parent
+        (context-lookup nodes, which have no drafter probability, are left to `LookupCalibrator`)."""
+        nodes, right = verified_nodes(tree, target_choice)
+        if tree.lookup is not None:
+            nodes = nodes & (tree.lookup == 0)
         bins = self._bin(tree.probs)[nodes]
         self.total.index_add_(0, bins, torch.ones_like(bins, dtype=torch.float32))
         self.accepted.index_add_(0, bins, right[nodes].float())
+
+
+class LookupCalibrator:
+    """P(target accepts a context-lookup node | its parent was accepted), per suffix length that found it.
+
+    Starts at `prior` with `prior_weight` pseudo-counts, updated from every verified lookup node.
+    """
+
+    def __init__(self, max_match: int = 8, prior: float = 0.5, prior_weight: float = 2.0, device=None):
+        self.accepted = torch.full((max_match + 1,), prior * prior_weight, device=device)
+        self.total = torch.full((max_match + 1,), prior_weight, device=device)
+
+    def __call__(self, match: torch.Tensor) -> torch.Tensor:
+        return (self.accepted / self.total)[match.clamp(0, self.total.shape[0] - 1)]
+
+    def observe(self, tree, target_choice: torch.Tensor) -> None:
+        if tree.lookup is None:
+            return
+        nodes, right = verified_nodes(tree, target_choice)
+        nodes = nodes & (tree.lookup > 0)
+        match = tree.lookup.clamp_max(self.total.shape[0] - 1)[nodes]
+        self.total.index_add_(0, match, torch.ones_like(match, dtype=torch.float32))
+        self.accepted.index_add_(0, match, right[nodes].float())
+
+
+def verified_nodes(tree, target_choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(nodes, right)` `(B, N)`: the real draft nodes of a verified tree, and which of them carry the target's
+    choice after their parent."""
+    nodes = tree.valid.clone()
+    nodes[:, 0] = False
+    parent_choice = target_choice.gather(1, tree.parents.clamp_min(0))
+    return nodes, (tree.tokens == parent_choice) & nodes
 
 
 def survival(tree, accept: torch.Tensor) -> torch.Tensor:
@@ -241,6 +274,32 @@ def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token)
     return torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=pi.device), kept], dim=1), n
 
 
+@dataclass
+class Calibration:
+    """What the cost rule learns online: drafter and lookup acceptance, and the profile's live scale.
+
+    Kept across `generate` calls for the same drafter and verifier setting (`shared_calibration`): one answer
+    gives a few dozen rounds, too few to learn per-bin acceptance from the priors each time.
+    """
+
+    acceptance: AcceptanceCalibrator
+    lookup: LookupCalibrator
+    scale: float = 1.0
+    profile: CostProfile | None = None  # what `scale` is relative to
+
+
+_CALIBRATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter -> {key: Calibration}
+
+
+def shared_calibration(drafter, key: str, device) -> Calibration:
+    """The `Calibration` of `drafter` (a module) for setting `key` (strategy, verifier profile key), made on
+    first use and forgotten with the drafter."""
+    per_drafter = _CALIBRATIONS.setdefault(drafter, {})
+    if key not in per_drafter:
+        per_drafter[key] = Calibration(AcceptanceCalibrator(device=device), LookupCalibrator(device=device))
+    return per_drafter[key]
+
+
 class CostModel:
     """What the loop gives a cost-aware strategy: the profile, calibration, and the running t_token.
 
@@ -253,20 +312,36 @@ class CostModel:
     """
 
     def __init__(self, profile: CostProfile, max_tokens: int, device, smoothing: float = 0.3,
-                 live_scale: bool | None = None):
+                 live_scale: bool | None = None, calibration: Calibration | None = None):
         self.profile = profile
         self._seconds = [profile.time(n) for n in range(max_tokens + 2)]  # host copy: no device read per round
         self.table = torch.tensor(self._seconds, dtype=torch.float32, device=device)
-        self.calibrator = AcceptanceCalibrator(device=device)
+        if calibration is None:
+            calibration = Calibration(AcceptanceCalibrator(device=device), LookupCalibrator(device=device))
+        if calibration.profile is not profile:  # a scale is relative to the profile it was learned against
+            calibration.profile, calibration.scale = profile, 1.0
+        self.calibration = calibration
+        self.calibrator = calibration.acceptance
+        self.lookup_calibrator = calibration.lookup
         # before any round: one plain decoding step per token (a device scalar: updating it needs no host sync)
         self.seconds_per_token = torch.tensor(profile.time(1), dtype=torch.float32, device=device)
         self.smoothing = smoothing
         self.live_scale = torch.device(device).type == "cpu" if live_scale is None else live_scale
-        self.scale = 1.0
+
+    @property
+    def scale(self) -> float:
+        return self.calibration.scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.calibration.scale = value
 
     def prune(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
         """`(keep (B, N), n)` for `tree` (see `choose_prefix`)."""
-        pi = survival(tree, self.calibrator(tree.probs))
+        accept = self.calibrator(tree.probs)
+        if tree.lookup is not None:
+            accept = torch.where(tree.lookup > 0, self.lookup_calibrator(tree.lookup), accept)
+        pi = survival(tree, accept)
         return choose_prefix(pi, self.table * self.scale, self.seconds_per_token)
 
     def observe(self, tree, target_choice: torch.Tensor, round_seconds: float, tokens: torch.Tensor,
@@ -275,6 +350,7 @@ class CostModel:
         and (with `live_scale`) the profile's scale from `verify_seconds`, the time of its verification forward
         over the `tree`'s `N` tokens."""
         self.calibrator.observe(tree, target_choice)
+        self.lookup_calibrator.observe(tree, target_choice)
         rate = round_seconds / tokens.clamp_min(1)
         self.seconds_per_token = torch.where(
             tokens > 0, self.seconds_per_token + self.smoothing * (rate - self.seconds_per_token),

@@ -18,7 +18,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from . import ops
 from .acceptance import sample_accept
 from .compat import cache_from_kwargs, check_cache, check_model, check_pair
-from .cost import CostModel, verifier_cost_profile
+from .cost import CostModel, shared_calibration, verifier_cost_profile
 from .drafters.block import BlockDrafter
 from .drafters.independent import IndependentDrafter
 from .drafters.laspec import LaSpecDrafterModel
@@ -189,7 +189,8 @@ def speculative_decode(
     drafter = None
     if block_drafter:
         drafter = BlockDrafter(assistant_model, model, block_size=getattr(config, "block_size", None),
-                               num_visual_tokens=getattr(config, "num_visual_tokens", None))
+                               num_visual_tokens=getattr(config, "num_visual_tokens", None),
+                               context_lookup=getattr(config, "context_lookup", 0) or 0)
     with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext():
         outputs = model._prefill(input_ids, generation_config, prefill_kwargs)
     if cache.get_seq_length() != input_ids.shape[1]:
@@ -208,6 +209,7 @@ def speculative_decode(
     del outputs
     slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     target = ModelRunner(model, cache, slot_valid, position_ids)
+    first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
 
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     counts, done = stopper.cut(buffer, first_token[:, None], torch.ones_like(first_token))
@@ -234,7 +236,9 @@ def speculative_decode(
     strategy.sampling = do_sample
     cost = None
     if drafter is not None and strategy.cost_aware and not do_sample:
-        cost = CostModel(verifier_cost_profile(target), max_tokens=256, device=device)
+        profile = verifier_cost_profile(target)
+        calibration = shared_calibration(assistant_model, f"{strategy_name}|{profile.key}", device)
+        cost = CostModel(profile, max_tokens=256, device=device, calibration=calibration)
         stats.time_profile += clock.lap()
     trace = _RoundTrace()
 
@@ -248,7 +252,9 @@ def speculative_decode(
         # deepest useful draft: the bonus token needs one slot of the remaining budget
         max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
         draft_model_time = drafter.model_time
-        tree = drafter.draft(strategy, process_draft if len(logits_processor) else None, max_depth, sample=do_sample)
+        context = {"context": (buffer.ids, buffer.lengths, first_real)} if block_drafter else {}
+        tree = drafter.draft(strategy, process_draft if len(logits_processor) else None, max_depth, sample=do_sample,
+                             **context)
         elapsed = clock.lap()
         stats.time_draft += drafter.model_time - draft_model_time
         stats.time_tree += elapsed - (drafter.model_time - draft_model_time)

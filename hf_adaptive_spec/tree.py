@@ -31,6 +31,8 @@ class DraftTree:
         num_levels: depth of the deepest level present.
         draft_probs: for sampling, `(B, N, V)` the drafter distribution (processors applied) each processed
             node's children were drawn from (zeros for unprocessed nodes); None under greedy decoding.
+        lookup: `(B, N)` for nodes copied from the context (`hf_adaptive_spec.lookup`), the suffix length
+            that found them, 0 for the drafter's nodes; None when the tree has no lookup branch.
     """
 
     tokens: torch.Tensor
@@ -42,6 +44,7 @@ class DraftTree:
     drafter_slot: torch.Tensor
     num_levels: int
     draft_probs: torch.Tensor | None = None
+    lookup: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -72,6 +75,7 @@ class DraftTree:
             drafter_slot=torch.where(valid, self.drafter_slot.gather(1, index), -1),
             num_levels=int(depths.max()) if depths.numel() else 0,
             draft_probs=draft_probs,
+            lookup=None if self.lookup is None else torch.where(valid, self.lookup.gather(1, index), 0),
         )
 
     def path_tokens(self) -> torch.Tensor:

@@ -165,3 +165,39 @@ def test_measured_verification_times_rescale_the_profile():
     assert fixed.scale == 1.0
     assert CostModel(slow, max_tokens=8, device="cpu").live_scale
     assert not CostModel(slow, max_tokens=8, device="meta").live_scale
+
+
+def test_calibration_is_kept_across_generate_calls_of_one_drafter(monkeypatch):
+    """What the cost rule learned (acceptance per bin, lookup acceptance, live scale) carries over to the next
+    call with the same drafter and setting; another drafter, or another profile's scale, starts fresh."""
+    target = build_model("llama")
+    drafter = build_drafter("llama", target, "small")
+    inputs = make_inputs("llama", batch_size=1)
+    profile = CostProfile(sizes=[1, 2, 3], seconds=[1.0, 1.0, 1.5])
+    monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: profile)
+    made = []
+    original = CostModel.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(CostModel, "__init__", init)
+    config = SageConfig(verify_cost=True)
+    expected = target.generate(**inputs, max_new_tokens=12, do_sample=False)
+    for _ in range(2):
+        out = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                              spec_strategy="sage", spec_config=config)
+        assert torch.equal(out, expected)
+    first, second = made
+    assert second.calibrator is first.calibrator and second.calibration is first.calibration
+    seen = float(first.calibrator.total.sum())
+    assert seen > 20 * 2.0  # priors (2 pseudo-counts per bin) plus the verified nodes of both calls
+    assert first.scale != 1.0  # real forwards take milliseconds, not the profile's seconds
+    other = build_drafter("llama", target, "small")
+    target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=other, spec_strategy="sage",
+                    spec_config=config)
+    assert made[-1].calibrator is not first.calibrator
+    scale = first.scale
+    fresh = CostModel(CostProfile(sizes=[1], seconds=[2.0]), max_tokens=8, device="cpu", calibration=first.calibration)
+    assert fresh.scale == 1.0 and fresh.calibrator is first.calibrator and scale != 1.0

@@ -135,10 +135,10 @@ def test_top_k_once_per_depth_builds_the_per_node_tree(strategy, draft_vocabular
     drafter = _drafter(target, seed=3)
     if draft_vocabulary:
         drafter.set_draft_vocabulary(torch.arange(0, 128, 2))
-    original = block_module.BlockDrafter.draft
+    original = block_module.BlockDrafter._draft_tree
     compared = []
 
-    def both(self, strategy_object, process, max_depth, sample=False, generator=None):
+    def both(self, strategy_object, process, max_depth, sample, generator):
         assert process is None  # no logits processors in this generate call
         per_node = original(self, strategy_object, lambda logits, *_: logits, max_depth, sample, generator)
         shared = original(self, strategy_object, None, max_depth, sample, generator)
@@ -148,13 +148,52 @@ def test_top_k_once_per_depth_builds_the_per_node_tree(strategy, draft_vocabular
         compared.append(shared.tokens.shape[1])
         return shared
 
-    monkeypatch.setattr(block_module.BlockDrafter, "draft", both)
+    monkeypatch.setattr(block_module.BlockDrafter, "_draft_tree", both)
     expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
     config = {"laspec": {"verify_cost": False, "top_k": 3, "n_max": 10}, "sage": None, "chain": None}[strategy]
     out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,
                           spec_strategy=strategy, spec_config=config)
     assert torch.equal(out, expected)
     assert len(compared) >= 3 and max(compared) > 2  # real trees, over several rounds
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
+def test_lookup_branch_is_accepted_exactly_as_far_as_the_context_repeats(arch, monkeypatch):
+    """With a drafter that is always wrong, every accepted token comes from the lookup branch: each round's
+    accepted length equals a brute-force replay of the lookup on the final sequence, and output stays exact."""
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=1)
+    prompt_length = inputs["input_ids"].shape[1]
+    new = 60
+    expected = target.generate(**inputs, max_new_tokens=new, do_sample=False)
+    _oracle(monkeypatch, expected[:, prompt_length:], corrupt_every=1)  # every drafted token wrong
+    out = target.generate(**inputs, max_new_tokens=new, do_sample=False, assistant_model=_drafter(target),
+                          spec_strategy="laspec", return_dict_in_generate=True,
+                          spec_config={"verify_cost": False, "top_k": 1, "context_lookup": 3})
+    assert torch.equal(out.sequences, expected)
+    sequence = expected[0].tolist()
+    length, replayed = prompt_length + 1, []  # the prefill's token is the first root
+    while length < len(sequence):
+        proposal, _ = _brute_force_lookup(sequence[:length], 3, 4)
+        accepted = 0
+        for offset, token in enumerate(proposal[: len(sequence) - length - 1]):  # the bonus needs the last slot
+            if sequence[length + offset] != token:
+                break
+            accepted += 1
+        replayed.append(accepted)
+        length += accepted + 1
+    assert out.spec_stats.accepted_lengths == replayed
+    assert sum(replayed) > 0  # the sequence repeats somewhere, or the test would prove nothing
+
+
+def _brute_force_lookup(row, max_ngram, num_tokens):
+    for n in range(max_ngram, 0, -1):
+        if n > len(row) - 1:
+            continue
+        for j in range(len(row) - n - 1, -1, -1):
+            if row[j:j + n] == row[len(row) - n:]:
+                return row[j + n:j + n + num_tokens], n
+    return [], 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])

@@ -24,6 +24,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..lookup import add_chain, context_lookup
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
 from .levels import choose_level
@@ -66,10 +67,12 @@ class BlockDrafter:
         block_size (`int`, *optional*): tokens per block (default: the drafter's `config.block_size`).
         num_visual_tokens (`int`, *optional*): M, visual tokens selected per round (default: the drafter's
             `config.num_visual_tokens`; 0 disables the visual branch).
+        context_lookup (`int`): longest suffix matched for the context-lookup branch added to every greedy
+            tree (`hf_adaptive_spec.lookup`; 0 = none).
     """
 
     def __init__(self, model: LaSpecDrafterModel, target, block_size: int | None = None,
-                 num_visual_tokens: int | None = None):
+                 num_visual_tokens: int | None = None, context_lookup: int = 0):
         if not isinstance(model, LaSpecDrafterModel):
             raise ValueError(f"BlockDrafter needs a LaSpecDrafterModel, got {type(model).__name__}.")
         embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -80,6 +83,7 @@ class BlockDrafter:
         config = model.config
         self.block_size = block_size or config.block_size
         self.num_visual_tokens = config.num_visual_tokens if num_visual_tokens is None else num_visual_tokens
+        self.context_lookup = context_lookup
         self.layer_ids = list(config.target_layer_ids)
         num_layers = target.config.get_text_config().num_hidden_layers
         bad = [layer for layer in self.layer_ids if not 0 <= layer < num_layers]
@@ -210,12 +214,24 @@ class BlockDrafter:
         return _full_vocabulary(*self.block_scores(depth), self.model.config.vocab_size)
 
     @torch.no_grad()
-    def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None) -> DraftTree:
+    def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
+              context: tuple | None = None) -> DraftTree:
         """One round's tree (same contract as `IndependentDrafter.draft`); node 0 is the pending root.
 
         `process` None means no logits processors: every node of a depth is then offered the same distribution,
         so under greedy drafting its top-k is computed once per depth, over the draft vocabulary only.
+        `context` `(ids (B, C), lengths (B,), start (B,))`: the committed rows, root included (see
+        `lookup.context_lookup`); with `context_lookup` set, a greedy tree also gets the lookup chain.
         """
+        tree = self._draft_tree(strategy, process, max_depth, sample, generator)
+        if self.context_lookup and context is not None and not sample:
+            ids, lengths, start = context
+            tokens, valid, match = context_lookup(ids, lengths, start, self.context_lookup, self.block_size)
+            valid &= torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= max_depth[:, None]
+            tree = add_chain(tree, tokens, valid, match)
+        return tree
+
+    def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree:
         batch = self.root.shape[0]
         device = self.root.device
         depth_limit = max(1, min(self.block_size, int(max_depth.max())))

@@ -32,6 +32,10 @@ class LaSpecConfig(StrategyConfig):
             the whole candidate tree.
         num_visual_tokens (`int`, *optional*): visual tokens selected per round for the drafter's cross-attention
             (default: the drafter's `config.num_visual_tokens`; 0 turns the visual branch off).
+        context_lookup (`int`, defaults to 4): under greedy decoding, also offer the tokens that followed the
+            latest earlier occurrence of the sequence's last n tokens (n up to this, longest first), as one more
+            branch of the tree (`hf_adaptive_spec.lookup`); the cost rule keeps its nodes when their measured
+            acceptance pays. 0 turns it off.
     """
 
     block_size: int | None = None
@@ -39,6 +43,7 @@ class LaSpecConfig(StrategyConfig):
     n_max: int | None = None
     verify_cost: bool = True
     num_visual_tokens: int | None = None
+    context_lookup: int = 4
 
     def device_defaults(self, device):
         gpu = on_gpu(device)
@@ -49,6 +54,8 @@ class LaSpecConfig(StrategyConfig):
             raise ValueError(f"LaSpecConfig.block_size must be >= 1, got {self.block_size}.")
         if self.top_k < 1 or self.n_max < 1:
             raise ValueError(f"LaSpecConfig needs top_k >= 1 and n_max >= 1, got {self.top_k}, {self.n_max}.")
+        if self.context_lookup < 0:
+            raise ValueError(f"LaSpecConfig.context_lookup must be >= 0, got {self.context_lookup}.")
         if self.num_visual_tokens is not None and self.num_visual_tokens < 0:
             raise ValueError(f"LaSpecConfig.num_visual_tokens must be >= 0, got {self.num_visual_tokens}.")
 
