@@ -327,6 +327,55 @@ class CostModel:
         self.seconds_per_token = torch.tensor(profile.time(1), dtype=torch.float32, device=device)
         self.smoothing = smoothing
         self.live_scale = torch.device(device).type == "cpu" if live_scale is None else live_scale
+        # pausing the drafter (CPU only, where host times are real): running seconds and tokens of drafted
+        # rounds and of rounds that verify the root alone, both measured in this call (ratios of running sums,
+        # not running ratios: a mean of per-round seconds per token overweights the rounds that accept nothing)
+        self._drafted = [0.0, 0.0]  # seconds, tokens
+        self._plain = [0.0, 0.0]
+        self._drafted_rounds = 0
+        self._paused_in_a_row = 0
+
+    # a paused call drafts again every `PROBE_EVERY` rounds, to see whether drafting pays again
+    PROBE_EVERY = 8
+    MIN_DRAFTED_ROUNDS = 8
+    RATE_SMOOTHING = 0.1
+    MARGIN = 1.05
+
+    @property
+    def drafted_rate(self) -> float | None:
+        """Seconds per generated token of this call's drafted rounds (recent rounds weigh more)."""
+        seconds, tokens = self._drafted
+        return seconds / tokens if tokens else None
+
+    @property
+    def plain_rate(self) -> float:
+        """Seconds per token of this call's root-only rounds; before any, the profile's scaled T(1)."""
+        seconds, tokens = self._plain
+        return seconds / tokens if tokens else self.scale * self._seconds[1]
+
+    def pause_drafting(self) -> bool:
+        """True when the next round should verify the root alone, without drafting: this call's drafted rounds
+        produce tokens more slowly (by `MARGIN`) than undrafted ones (a plain step through the same loop). On a
+        hard prompt the cost rule already trims every node, but the drafter's forward and the tree are still
+        paid each round; this stops paying them, drafting again every `PROBE_EVERY` rounds to re-measure."""
+        drafted = self.drafted_rate
+        if not self.live_scale or drafted is None or self._drafted_rounds < self.MIN_DRAFTED_ROUNDS:
+            return False
+        if drafted <= self.MARGIN * self.plain_rate or self._paused_in_a_row >= self.PROBE_EVERY - 1:
+            self._paused_in_a_row = 0
+            return False
+        self._paused_in_a_row += 1
+        return True
+
+    def observe_rate(self, drafted: bool, round_seconds: float, tokens: int) -> None:
+        """One round's seconds and tokens (host values), into the drafted or the undrafted running sums."""
+        if not self.live_scale:
+            return
+        sums = self._drafted if drafted else self._plain
+        self._drafted_rounds += drafted
+        keep = 1.0 - self.RATE_SMOOTHING
+        sums[0] = keep * sums[0] + round_seconds
+        sums[1] = keep * sums[1] + tokens
 
     @property
     def scale(self) -> float:

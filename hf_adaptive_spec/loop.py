@@ -47,6 +47,8 @@ class SpecStats:
         time_profile: seconds spent measuring the verifier's cost curve (first use of a cost-aware strategy
             with a given model, dtype, device and batch size; later calls read it from memory or disk).
         pruned_tokens: draft nodes the cost model trimmed before verification (cost-aware strategies).
+        paused_rounds: rounds that verified the root alone because drafting was not paying on this text (a
+            LaSpec drafter with the cost rule on a CPU; `CostModel.pause_drafting`); counted in `rounds`.
         time_visual: seconds spent selecting visual tokens for a LaSpec drafter (int8 keys at the prefill, the
             score-and-vote each round); `time_visual / rounds` is the per-round selection cost.
     """
@@ -67,6 +69,7 @@ class SpecStats:
     time_compact: float = 0.0
     time_profile: float = 0.0
     pruned_tokens: int = 0
+    paused_rounds: int = 0
     time_visual: float = 0.0
     time_total: float = 0.0
 
@@ -252,13 +255,18 @@ def speculative_decode(
         # deepest useful draft: the bonus token needs one slot of the remaining budget
         max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
         draft_model_time = drafter.model_time
-        context = {"context": (buffer.ids, buffer.lengths, first_real)} if block_drafter else {}
-        tree = drafter.draft(strategy, process_draft if len(logits_processor) else None, max_depth, sample=do_sample,
-                             **context)
+        paused = block_drafter and cost is not None and cost.pause_drafting()
+        if paused:  # drafting does not pay on this text now: verify the root alone (a plain step)
+            tree = drafter.root_tree()
+            stats.paused_rounds += 1
+        else:
+            context = {"context": (buffer.ids, buffer.lengths, first_real)} if block_drafter else {}
+            tree = drafter.draft(strategy, process_draft if len(logits_processor) else None, max_depth,
+                                 sample=do_sample, **context)
         elapsed = clock.lap()
         stats.time_draft += drafter.model_time - draft_model_time
         stats.time_tree += elapsed - (drafter.model_time - draft_model_time)
-        if cost is not None:  # verify only what pays for its marginal cost
+        if cost is not None and not paused:  # verify only what pays for its marginal cost
             drafted = tree.num_drafted()
             tree = tree.subset(cost.prune(tree)[0])
             trace.pruned += ((drafted - tree.num_drafted()) * active).sum()
@@ -317,7 +325,10 @@ def speculative_decode(
         del verify_hidden
         stats.time_compact += clock.lap()
         if cost is not None:
-            cost.observe(tree, scores.argmax(-1), time.perf_counter() - round_start, counts.sum(), verify_seconds)
+            round_seconds = time.perf_counter() - round_start
+            cost.observe(tree, scores.argmax(-1), round_seconds, counts.sum(), verify_seconds)
+            if block_drafter and cost.live_scale:  # host times are real here (CPU): reading counts costs nothing
+                cost.observe_rate(not paused, round_seconds, int(counts.sum()))
 
     if streamer is not None:
         streamer.end()

@@ -201,3 +201,41 @@ def test_calibration_is_kept_across_generate_calls_of_one_drafter(monkeypatch):
     scale = first.scale
     fresh = CostModel(CostProfile(sizes=[1], seconds=[2.0]), max_tokens=8, device="cpu", calibration=first.calibration)
     assert fresh.scale == 1.0 and fresh.calibrator is first.calibrator and scale != 1.0
+
+
+def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
+    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", smoothing=0.5)
+    assert not model.pause_drafting()  # nothing measured yet
+    for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
+        model.observe_rate(True, round_seconds=0.06, tokens=1)  # drafted rounds: 60 ms per token
+    assert model.drafted_rate == pytest.approx(0.06)
+    assert model.plain_rate == pytest.approx(0.04)  # none measured: the profile's T(1)
+    model.observe_rate(False, round_seconds=0.045, tokens=1)  # a root-only round: 45 ms per token
+    assert model.plain_rate == pytest.approx(0.045)
+    decisions = [model.pause_drafting() for _ in range(2 * CostModel.PROBE_EVERY)]
+    probe = [True] * (CostModel.PROBE_EVERY - 1) + [False]
+    assert decisions == probe * 2  # drafts once (a probe) every PROBE_EVERY rounds
+    for _ in range(30):
+        model.observe_rate(True, round_seconds=0.06, tokens=3)  # drafting pays again: 20 ms per token
+    assert not any(model.pause_drafting() for _ in range(10))
+    gpu = CostModel(CostProfile(sizes=[1], seconds=[1.0]), max_tokens=8, device="cpu", live_scale=False)
+    for _ in range(10):
+        gpu.observe_rate(True, round_seconds=9.0, tokens=1)
+    assert not gpu.pause_drafting()  # host times are launch times there: never paused
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
+def test_paused_rounds_keep_the_output_exact(arch, monkeypatch):
+    from hf_adaptive_spec.drafters.laspec import LaSpecDrafterConfig, LaSpecDrafterModel
+
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=20, do_sample=False)
+    torch.manual_seed(0)
+    drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=3)).eval()
+    calls = []
+    monkeypatch.setattr(CostModel, "pause_drafting", lambda self: calls.append(1) or len(calls) % 2 == 0)
+    out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.paused_rounds == len(calls) // 2 > 0

@@ -231,6 +231,14 @@ class BlockDrafter:
             tree = add_chain(tree, tokens, valid, match)
         return tree
 
+    def root_tree(self) -> DraftTree:
+        """A tree of the pending root alone: a round that verifies one token (drafting paused)."""
+        root = self.root[:, None]
+        ones = torch.ones_like(root, dtype=torch.float32)
+        return DraftTree(tokens=root, parents=torch.full_like(root, -1), valid=torch.ones_like(root, dtype=torch.bool),
+                         probs=ones, cum_probs=ones, depths=torch.zeros_like(root), drafter_slot=torch.full_like(root, -1),
+                         num_levels=0)
+
     def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree:
         batch = self.root.shape[0]
         device = self.root.device
