@@ -255,7 +255,9 @@ def speculative_decode(
         # deepest useful draft: the bonus token needs one slot of the remaining budget
         max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
         draft_model_time = drafter.model_time
-        paused = block_drafter and cost is not None and cost.pause_drafting()
+        # (not for strategies that shape rounds by a per-round confidence, e.g. sage: its stats stay aligned)
+        paused = (block_drafter and cost is not None and strategy.round_confidence() is None
+                  and cost.pause_drafting())
         if paused:  # drafting does not pay on this text now: verify the root alone (a plain step)
             tree = drafter.root_tree()
             stats.paused_rounds += 1
@@ -308,7 +310,8 @@ def speculative_decode(
         finished |= done & active
         stats.rounds += 1
         trace.record(active, tree.num_drafted(), accept_length, strategy.round_confidence())
-        strategy.observe(accept_length, active)
+        if not paused:  # a root-only round says nothing about the strategy's trees
+            strategy.observe(accept_length, active)
         stats.time_accept += clock.lap()
 
         if bool(finished.all()):
