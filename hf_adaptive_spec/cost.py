@@ -209,26 +209,31 @@ class AcceptanceCalibrator:
 
 
 class LookupCalibrator:
-    """P(target accepts a context-lookup node | its parent was accepted), per suffix length that found it.
+    """P(target accepts a context-lookup node | its parent was accepted), per suffix length that found it and
+    per whether the drafter proposed the same node (agreement).
 
     Starts at `prior` with `prior_weight` pseudo-counts, updated from every verified lookup node.
     """
 
     def __init__(self, max_match: int = 8, prior: float = 0.5, prior_weight: float = 2.0, device=None):
-        self.accepted = torch.full((max_match + 1,), prior * prior_weight, device=device)
-        self.total = torch.full((max_match + 1,), prior_weight, device=device)
+        self.max_match = max_match
+        self.accepted = torch.full((2, max_match + 1), prior * prior_weight, device=device)
+        self.total = torch.full((2, max_match + 1), prior_weight, device=device)
 
-    def __call__(self, match: torch.Tensor) -> torch.Tensor:
-        return (self.accepted / self.total)[match.clamp(0, self.total.shape[0] - 1)]
+    def _index(self, match: torch.Tensor, agreed: torch.Tensor) -> torch.Tensor:
+        return agreed.long() * (self.max_match + 1) + match.clamp(0, self.max_match)
+
+    def __call__(self, match: torch.Tensor, agreed: torch.Tensor) -> torch.Tensor:
+        return (self.accepted / self.total).flatten()[self._index(match, agreed)]
 
     def observe(self, tree, target_choice: torch.Tensor) -> None:
         if tree.lookup is None:
             return
         nodes, right = verified_nodes(tree, target_choice)
         nodes = nodes & (tree.lookup > 0)
-        match = tree.lookup.clamp_max(self.total.shape[0] - 1)[nodes]
-        self.total.index_add_(0, match, torch.ones_like(match, dtype=torch.float32))
-        self.accepted.index_add_(0, match, right[nodes].float())
+        index = self._index(tree.lookup, tree.probs > 0)[nodes]
+        self.total.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+        self.accepted.view(-1).index_add_(0, index, right[nodes].float())
 
 
 def verified_nodes(tree, target_choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,8 +393,10 @@ class CostModel:
     def prune(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
         """`(keep (B, N), n)` for `tree` (see `choose_prefix`)."""
         accept = self.calibrator(tree.probs)
-        if tree.lookup is not None:
-            accept = torch.where(tree.lookup > 0, self.lookup_calibrator(tree.lookup), accept)
+        if tree.lookup is not None:  # on the lookup chain: its own rate (or the drafter's, if higher, where both agree)
+            agreed = tree.probs > 0
+            rate = self.lookup_calibrator(tree.lookup, agreed)
+            accept = torch.where(tree.lookup > 0, torch.where(agreed, torch.maximum(rate, accept), rate), accept)
         pi = survival(tree, accept)
         return choose_prefix(pi, self.table * self.scale, self.seconds_per_token)
 

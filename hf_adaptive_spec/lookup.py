@@ -73,15 +73,15 @@ def add_chain(tree: DraftTree, tokens: torch.Tensor, valid: torch.Tensor, match:
     """`tree` with a chain `tokens` `(B, K)` (`valid` `(B, K)`, a prefix per row) hung under each row's root.
 
     Where the chain's next token is already a child of the current node the node is shared, else a new node
-    is appended (parents stay before children; siblings stay distinct). New nodes have drafter probability 0,
-    no drafter slot, and `lookup` = the row's `match` (`(B,)`, the suffix length that found the chain);
-    drafter nodes have `lookup` 0.
+    is appended (parents stay before children; siblings stay distinct). Every node on the chain gets `lookup` =
+    the row's `match` (`(B,)`, the suffix length that found the chain), the others 0; appended nodes have
+    drafter probability 0 (the drafter did not propose them) and no drafter slot, shared ones keep theirs.
     """
     if tree.draft_probs is not None:
         raise ValueError("add_chain: a sampled tree (draft_probs) cannot take lookup nodes (greedy only).")
     batch = tokens.shape[0]
     device = tokens.device
-    lookup = tree.lookup if tree.lookup is not None else torch.zeros_like(tree.tokens)
+    lookup = tree.lookup.clone() if tree.lookup is not None else torch.zeros_like(tree.tokens)
     columns = {name: [getattr(tree, name)] for name in ("tokens", "parents", "valid", "probs", "cum_probs",
                                                          "depths", "drafter_slot")}
     columns["lookup"] = [lookup]
@@ -97,7 +97,9 @@ def add_chain(tree: DraftTree, tokens: torch.Tensor, valid: torch.Tensor, match:
         new = alive & ~shared
         if not bool(alive.any()):
             break
-        next_current = torch.where(shared, existing.to(torch.int8).argmax(-1), current)
+        found = existing.to(torch.int8).argmax(-1)  # a drafter node: nodes appended here have no children yet
+        next_current = torch.where(shared, found, current)
+        lookup.scatter_(1, found[:, None], torch.where(shared, match, lookup.gather(1, found[:, None])[:, 0])[:, None])
         if bool(new.any()):
             index = all_tokens.shape[1]
             added = {"tokens": torch.where(new, token, 0), "parents": torch.where(new, current, -1),
@@ -114,7 +116,7 @@ def add_chain(tree: DraftTree, tokens: torch.Tensor, valid: torch.Tensor, match:
             num_levels = max(num_levels, depth)
         current = next_current
     if len(columns["tokens"]) == 1:
-        return tree if tree.lookup is not None else _replace(tree, lookup=lookup)
+        return _replace(tree, lookup=lookup)
     merged = {name: torch.cat(parts, dim=1) for name, parts in columns.items()}
     return DraftTree(num_levels=num_levels, draft_probs=None, **merged)
 

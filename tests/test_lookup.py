@@ -79,14 +79,14 @@ def test_add_chain_shares_existing_nodes_and_appends_the_rest():
     assert out.tokens[0].tolist() == [5, 10, 12, 11, 13, 14]
     assert out.parents[0].tolist() == [-1, 0, 0, 1, 1, 4]
     assert out.depths[0].tolist() == [0, 1, 1, 2, 2, 3] and out.num_levels == 3
-    assert out.lookup[0].tolist() == [0, 0, 0, 0, 3, 3]
+    assert out.lookup[0].tolist() == [0, 3, 0, 0, 3, 3]  # the shared node is on the chain too
     assert out.probs[0, 4:].tolist() == [0.0, 0.0]
     kept = out.subset(torch.tensor([[True, True, False, False, True, True]]))
-    assert kept.tokens[0].tolist() == [5, 10, 13, 14] and kept.lookup[0].tolist() == [0, 0, 3, 3]
+    assert kept.tokens[0].tolist() == [5, 10, 13, 14] and kept.lookup[0].tolist() == [0, 3, 3, 3]
     assert kept.parents[0].tolist() == [-1, 0, 1, 2]
     # a chain the tree already holds adds nothing
     same = add_chain(tree, torch.tensor([[10, 11]]), torch.ones(1, 2, dtype=torch.bool), torch.tensor([2]))
-    assert torch.equal(same.tokens, tree.tokens) and same.lookup[0].tolist() == [0, 0, 0, 0]
+    assert torch.equal(same.tokens, tree.tokens) and same.lookup[0].tolist() == [0, 2, 0, 2]
 
 
 def test_add_chain_per_row_in_a_batch():
@@ -99,7 +99,7 @@ def test_add_chain_per_row_in_a_batch():
     assert out.tokens.shape == (2, 4)
     assert out.valid.tolist() == [[True, True, False, True], [True, True, True, False]]
     assert out.parents[0].tolist() == [-1, 0, -1, 1] and out.parents[1].tolist() == [-1, 0, 0, -1]
-    assert out.lookup.tolist() == [[0, 0, 0, 2], [0, 0, 1, 0]]
+    assert out.lookup.tolist() == [[0, 2, 0, 2], [0, 0, 1, 0]]
 
 
 def test_lookup_nodes_are_priced_by_their_own_acceptance():
@@ -111,7 +111,8 @@ def test_lookup_nodes_are_priced_by_their_own_acceptance():
     calibrator.observe(tree, choice)
     lookup.observe(tree, choice)
     assert float((calibrator.total - before).sum()) == 1.0  # only the drafter node
-    assert float(lookup(torch.tensor([2]))) == pytest.approx((1.0 + 2.0) / (2.0 + 2.0))
+    assert float(lookup(torch.tensor([2]), torch.tensor([False]))) == pytest.approx((1.0 + 2.0) / (2.0 + 2.0))
+    assert float(lookup(torch.tensor([2]), torch.tensor([True]))) == 0.5  # no agreed node seen: the prior
     model = CostModel(CostProfile(sizes=[1, 8], seconds=[1.0, 1.0]), max_tokens=8, device="cpu")
     for _ in range(10):
         model.observe(tree, choice, round_seconds=1.0, tokens=torch.tensor(3))
@@ -148,3 +149,20 @@ def test_sampling_has_no_lookup_branch(monkeypatch):
     target.generate(**inputs, max_new_tokens=12, do_sample=True, assistant_model=_drafter(target),
                     spec_strategy="laspec")
     assert trees and all(tree.lookup is None for tree in trees)
+
+
+def test_a_node_both_propose_is_priced_by_the_agreement_rate():
+    # drafter: root -> 10 (p 0.3), root -> 12 (p 0.6); the lookup chain 10, 11 shares node 10
+    tree = add_chain(_tree([5, 10, 12], [-1, 0, 0], [1.0, 0.3, 0.6]), torch.tensor([[10, 11]]),
+                     torch.ones(1, 2, dtype=torch.bool), torch.tensor([3]))
+    assert tree.lookup[0].tolist() == [0, 3, 0, 3] and tree.probs[0, 1] > 0  # node 1: agreed
+    model = CostModel(CostProfile(sizes=[1, 2, 3], seconds=[1.0, 1.0, 50.0]), max_tokens=8, device="cpu")
+    model.seconds_per_token = torch.tensor(1.0)
+    keep, n = model.prune(tree)
+    assert int(n) == 1 and keep[0].tolist() == [True, False, True, False]  # priors: 12's 0.6 beats 0.5
+    choice = torch.tensor([[10, 11, 0, 0]])  # the target takes 10, then 11
+    for _ in range(10):
+        model.lookup_calibrator.observe(tree, choice)
+    assert float(model.lookup_calibrator(torch.tensor([3]), torch.tensor([True]))) > 0.8
+    keep, n = model.prune(tree)
+    assert int(n) == 1 and keep[0].tolist() == [True, True, False, False]  # the agreed node now wins
