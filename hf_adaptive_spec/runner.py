@@ -110,9 +110,15 @@ class ModelRunner:
         """Keep tail slots `keep_index` `(B, K)` (in order) as committed; `keep_valid` `(B, K)` marks real ones."""
         start = self.committed_length
         layers = self.cache.layers
-        tensors = [layer.keys for layer in layers] + [layer.values for layer in layers]
-        compacted = ops.compact_kv_(tensors, keep_index, start)
-        for i, layer in enumerate(layers):
-            layer.keys, layer.values = compacted[i], compacted[len(layers) + i]
+        kept = keep_index.shape[1]
+        if torch.equal(keep_index, torch.arange(kept, device=keep_index.device).expand_as(keep_index)):
+            # every row keeps the first K tail slots in order (a chain accepted from its start): nothing moves
+            for layer in layers:
+                layer.keys, layer.values = layer.keys[:, :, : start + kept], layer.values[:, :, : start + kept]
+        else:
+            tensors = [layer.keys for layer in layers] + [layer.values for layer in layers]
+            compacted = ops.compact_kv_(tensors, keep_index, start)
+            for i, layer in enumerate(layers):
+                layer.keys, layer.values = compacted[i], compacted[len(layers) + i]
         self.slot_valid = torch.cat([self.slot_valid, keep_valid], dim=1)
         self.next_position = self.next_position + keep_valid.sum(-1)
