@@ -197,10 +197,11 @@ class AcceptanceCalibrator:
         """Calibrated acceptance for drafter probabilities of any shape."""
         return (self.accepted / self.total)[self._bin(probs)]
 
-    def observe(self, tree, target_choice: torch.Tensor) -> None:
+    def observe(self, tree, target_choice: torch.Tensor, verified: tuple | None = None) -> None:
         """Learn from one verified tree: node i was right iff its token is the target's choice after its parent
-        (context-lookup nodes, which have no drafter probability, are left to `LookupCalibrator`)."""
-        nodes, right = verified_nodes(tree, target_choice)
+        (nodes on the context-lookup chain are left to `LookupCalibrator`). `verified`: `verified_nodes(tree,
+        target_choice)` if already computed."""
+        nodes, right = verified if verified is not None else verified_nodes(tree, target_choice)
         if tree.lookup is not None:
             nodes = nodes & (tree.lookup == 0)
         bins = self._bin(tree.probs)[nodes]
@@ -226,10 +227,11 @@ class LookupCalibrator:
     def __call__(self, match: torch.Tensor, agreed: torch.Tensor) -> torch.Tensor:
         return (self.accepted / self.total).flatten()[self._index(match, agreed)]
 
-    def observe(self, tree, target_choice: torch.Tensor) -> None:
+    def observe(self, tree, target_choice: torch.Tensor, verified: tuple | None = None) -> None:
+        """Learn from the lookup-chain nodes of one verified tree (`verified` as in `AcceptanceCalibrator`)."""
         if tree.lookup is None:
             return
-        nodes, right = verified_nodes(tree, target_choice)
+        nodes, right = verified if verified is not None else verified_nodes(tree, target_choice)
         nodes = nodes & (tree.lookup > 0)
         index = self._index(tree.lookup, tree.probs > 0)[nodes]
         self.total.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
@@ -292,6 +294,10 @@ class Calibration:
     scale: float = 1.0
     profile: CostProfile | None = None  # what `scale` is relative to
 
+    @classmethod
+    def fresh(cls, device=None) -> "Calibration":
+        return cls(AcceptanceCalibrator(device=device), LookupCalibrator(device=device))
+
 
 _CALIBRATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter -> {key: Calibration}
 
@@ -301,7 +307,7 @@ def shared_calibration(drafter, key: str, device) -> Calibration:
     first use and forgotten with the drafter."""
     per_drafter = _CALIBRATIONS.setdefault(drafter, {})
     if key not in per_drafter:
-        per_drafter[key] = Calibration(AcceptanceCalibrator(device=device), LookupCalibrator(device=device))
+        per_drafter[key] = Calibration.fresh(device)
     return per_drafter[key]
 
 
@@ -322,7 +328,7 @@ class CostModel:
         self._seconds = [profile.time(n) for n in range(max_tokens + 2)]  # host copy: no device read per round
         self.table = torch.tensor(self._seconds, dtype=torch.float32, device=device)
         if calibration is None:
-            calibration = Calibration(AcceptanceCalibrator(device=device), LookupCalibrator(device=device))
+            calibration = Calibration.fresh(device)
         if calibration.profile is not profile:  # a scale is relative to the profile it was learned against
             calibration.profile, calibration.scale = profile, 1.0
         self.calibration = calibration
@@ -405,8 +411,9 @@ class CostModel:
         """Learn from a verified round: calibration from its nodes, t_token from its time and `tokens` (0-d),
         and (with `live_scale`) the profile's scale from `verify_seconds`, the time of its verification forward
         over the `tree`'s `N` tokens."""
-        self.calibrator.observe(tree, target_choice)
-        self.lookup_calibrator.observe(tree, target_choice)
+        verified = verified_nodes(tree, target_choice)
+        self.calibrator.observe(tree, target_choice, verified)
+        self.lookup_calibrator.observe(tree, target_choice, verified)
         rate = round_seconds / tokens.clamp_min(1)
         self.seconds_per_token = torch.where(
             tokens > 0, self.seconds_per_token + self.smoothing * (rate - self.seconds_per_token),

@@ -193,7 +193,7 @@ def speculative_decode(
     if block_drafter:
         drafter = BlockDrafter(assistant_model, model, block_size=getattr(config, "block_size", None),
                                num_visual_tokens=getattr(config, "num_visual_tokens", None),
-                               context_lookup=getattr(config, "context_lookup", 0) or 0)
+                               context_lookup=getattr(config, "context_lookup", 0))
     with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext():
         outputs = model._prefill(input_ids, generation_config, prefill_kwargs)
     if cache.get_seq_length() != input_ids.shape[1]:
@@ -329,7 +329,7 @@ def speculative_decode(
         stats.time_compact += clock.lap()
         if cost is not None:
             round_seconds = time.perf_counter() - round_start
-            cost.observe(tree, scores.argmax(-1), round_seconds, counts.sum(), verify_seconds)
+            cost.observe(tree, choice, round_seconds, counts.sum(), verify_seconds)  # greedy: choice is set
             if block_drafter and cost.live_scale:  # host times are real here (CPU): reading counts costs nothing
                 cost.observe_rate(not paused, round_seconds, int(counts.sum()))
 

@@ -29,7 +29,7 @@ from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
 from .levels import choose_level
 from ..vision import QueryCapture, VisualKeyStore, select_visual_tokens
-from .laspec import LaSpecDrafterModel, gather_target_hidden
+from .laspec import LaSpecDrafterModel, gather_target_hidden, spread_to_vocabulary
 
 __all__ = ["BlockDrafter", "choose_visual_slots", "image_token_mask"]
 
@@ -209,10 +209,6 @@ class BlockDrafter:
         self.model_time += time.perf_counter() - start
         return scores, vocab
 
-    def block_logits(self, depth: int) -> torch.Tensor:
-        """`(B, depth, V)`: the block's logits over the whole vocabulary (-inf outside a draft vocabulary)."""
-        return _full_vocabulary(*self.block_scores(depth), self.model.config.vocab_size)
-
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
               context: tuple | None = None) -> DraftTree:
@@ -234,10 +230,9 @@ class BlockDrafter:
     def root_tree(self) -> DraftTree:
         """A tree of the pending root alone: a round that verifies one token (drafting paused)."""
         root = self.root[:, None]
-        ones = torch.ones_like(root, dtype=torch.float32)
-        return DraftTree(tokens=root, parents=torch.full_like(root, -1), valid=torch.ones_like(root, dtype=torch.bool),
-                         probs=ones, cum_probs=ones, depths=torch.zeros_like(root), drafter_slot=torch.full_like(root, -1),
-                         num_levels=0)
+        ones, none = torch.ones_like(root, dtype=torch.float32), torch.full_like(root, -1)
+        return DraftTree(tokens=root, parents=none, valid=torch.ones_like(root, dtype=torch.bool), probs=ones,
+                         cum_probs=ones, depths=torch.zeros_like(root), drafter_slot=none, num_levels=0)
 
     def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree:
         batch = self.root.shape[0]
@@ -251,9 +246,9 @@ class BlockDrafter:
             k = min(strategy.max_children, scores.shape[-1])
             top_probs, top_index = torch.softmax(scores, dim=-1).topk(k, dim=-1)  # (B, L, k)
             top_tokens = top_index if vocab is None else vocab[top_index]
-            root_logits = _full_vocabulary(scores[:, :1], vocab, vocab_size)
+            root_logits = spread_to_vocabulary(scores[:, :1], vocab, vocab_size)
         else:
-            logits = _full_vocabulary(scores, vocab, vocab_size)  # (B, L, V)
+            logits = spread_to_vocabulary(scores, vocab, vocab_size)  # (B, L, V)
             k = min(strategy.max_children, logits.shape[-1])
             no_path = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
             root_logits = process(logits[:, :1], no_path, torch.zeros(batch, 1, dtype=torch.long, device=device),
@@ -292,10 +287,3 @@ class BlockDrafter:
                                           chosen.grow_valid)
         return builder.build()
 
-
-def _full_vocabulary(scores: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """Scores over a draft vocabulary `vocab` spread to the whole vocabulary, -inf elsewhere (as is if None)."""
-    if vocab is None:
-        return scores
-    full = scores.new_full((*scores.shape[:-1], vocab_size), float("-inf"))
-    return full.index_copy_(-1, vocab, scores)

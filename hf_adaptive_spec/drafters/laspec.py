@@ -210,6 +210,15 @@ def default_target_layer_ids(num_layers: int) -> list[int]:
     return sorted({min(max(layer, 0), num_layers - 1) for layer in picks})
 
 
+def spread_to_vocabulary(scores: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Scores `(..., V')` over a draft vocabulary `vocab` `(V',)` (token ids) spread to the whole vocabulary
+    `(..., vocab_size)`, -inf elsewhere; returned as is when `vocab` is None."""
+    if vocab is None:
+        return scores
+    full = scores.new_full((*scores.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, vocab, scores)
+
+
 def gather_target_hidden(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """Concatenate the outputs of the chosen target layers.
 
@@ -566,9 +575,7 @@ class LaSpecDrafterModel(PreTrainedModel):
         rows of the LM head are computed (a cached copy) and every other token gets -inf."""
         if self.draft_vocab is None:
             return self.logits_from_hidden(hidden)
-        partial = self.draft_vocab_logits(hidden)  # (..., draft_vocab_size)
-        logits = partial.new_full((*partial.shape[:-1], self.config.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.draft_vocab, partial)
+        return spread_to_vocabulary(self.draft_vocab_logits(hidden), self.draft_vocab, self.config.vocab_size)
 
     def draft_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary only, `(..., draft_vocab_size)` in `draft_vocab` order: the LM head's
