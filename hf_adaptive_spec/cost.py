@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from . import ops
+from .ops import cpu_linear
 from .strategies.base import descending_rank
 
 __all__ = ["AcceptanceCalibrator", "Calibration", "CostModel", "CostProfile", "LookupCalibrator", "choose_prefix",
@@ -95,8 +96,9 @@ def _profile_key(model, batch_size: int) -> str:
     config = model.config.get_text_config()
     shape = f"{config.hidden_size}x{config.num_hidden_layers}"
     attn = getattr(model.config, "_attn_implementation", "")
+    kernels = "|cpu-small-linear" if cpu_linear.active() else ""  # another cost curve
     return (f"{type(model).__name__}|{name}|{shape}|{model.dtype}|{device_name}|{attn}|batch{batch_size}|"
-            f"threads{torch.get_num_threads()}")
+            f"threads{torch.get_num_threads()}{kernels}")
 
 
 def _cost_dir() -> Path:

@@ -22,6 +22,7 @@ from .cost import CostModel, shared_calibration, verifier_cost_profile
 from .drafters.block import BlockDrafter
 from .drafters.independent import IndependentDrafter
 from .drafters.laspec import LaSpecDrafterModel
+from .ops import cpu_linear
 from .processors import SequenceBuffer, StopChecker, process_logits
 from .runner import ModelRunner
 from .strategies import get_strategy_class, resolve_config
@@ -125,7 +126,17 @@ def _check_generation_config(generation_config, model_kwargs, streamer, batch_si
 
 
 @torch.no_grad()
-def speculative_decode(
+def speculative_decode(*args, **kwargs):
+    """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
+
+    Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
+    `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`).
+    """
+    with contextlib.ExitStack() as after_prefill:  # contexts the rounds run in, closed on any exit
+        return _speculative_decode(*args, after_prefill=after_prefill, **kwargs)
+
+
+def _speculative_decode(
     model,
     input_ids: torch.LongTensor,
     logits_processor,
@@ -137,13 +148,9 @@ def speculative_decode(
     assistant_tokenizer=None,
     raw_inputs: dict | None = None,
     synced_gpus: bool = False,
+    after_prefill: contextlib.ExitStack | None = None,
     **model_kwargs,
 ):
-    """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
-
-    Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
-    `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`).
-    """
     start_time = time.perf_counter()
     strategy_name = generation_config.spec_strategy
     strategy_class = get_strategy_class(strategy_name)
@@ -213,6 +220,9 @@ def speculative_decode(
     slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     target = ModelRunner(model, cache, slot_valid, position_ids)
     first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
+
+    if device.type == "cpu":  # verification and drafting run a few rows per linear layer: the small-batch kernel
+        after_prefill.enter_context(cpu_linear.fast_linears(model, assistant_model))
 
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     counts, done = stopper.cut(buffer, first_token[:, None], torch.ones_like(first_token))

@@ -54,6 +54,8 @@ from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedMode
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
+from ..ops import cpu_linear
+
 __all__ = [
     "ContextKV",
     "LaSpecDrafterConfig",
@@ -593,7 +595,7 @@ class LaSpecDrafterModel(PreTrainedModel):
             cached = (key, rows, bias)
             self.__dict__["_draft_head"] = cached
         _, rows, bias = cached
-        return F.linear(hidden.to(rows.dtype), rows, bias)
+        return cpu_linear.linear(hidden.to(rows.dtype), rows, bias)  # F.linear outside the decoding loop
 
     def draft_vocab_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Each token's index in the draft vocabulary, -1 for tokens outside it (same shape as `token_ids`;
@@ -613,7 +615,7 @@ class LaSpecDrafterModel(PreTrainedModel):
         if isinstance(lm_head, nn.Linear):
             weight = lm_head.weight.detach()
             bias = None if lm_head.bias is None else lm_head.bias.detach()
-            return F.linear(hidden.to(weight.dtype), weight, bias)
+            return cpu_linear.linear(hidden.to(weight.dtype), weight, bias)
         return lm_head(hidden)
 
     def forward(

@@ -1,0 +1,109 @@
+// y = x @ w.T for a few rows of x (fp32, CPU, AVX-512): the tree verification's shape.
+//
+// Why: for 2 <= rows <= 16 MKL's sgemm packs the weight panel on every call, so a forward of 4-16 tokens
+// costs up to twice a one-token forward although it streams the same weights. Here every weight row is read
+// once from memory: a tile of 4 weight rows (contiguous) meets up to 4 rows of x at a time (16 zmm
+// accumulators), the next 512 bytes of each weight row are prefetched, and each dot product is reduced once
+// at the end. Every output row is computed the same way whatever the number of rows (no cross-row blocking
+// of the reduction), so a row's value does not depend on which other rows share the call.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kTileRows = 4;     // weight rows per micro-tile
+constexpr int kRowsPerPass = 4;  // rows of x per pass over a tile
+constexpr int kPrefetch = 128;   // floats ahead in each weight row
+
+template <int M>
+inline void micro_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m512 acc[M][kTileRows];
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+    for (int r = 0; r < kTileRows; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 b[kTileRows];
+#pragma GCC unroll 4
+    for (int r = 0; r < kTileRows; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + kPrefetch), _MM_HINT_T0);
+      b[r] = _mm512_loadu_ps(w + r * K + k);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      const __m512 a = _mm512_loadu_ps(x + m * K + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < kTileRows; ++r) acc[m][r] = _mm512_fmadd_ps(a, b[r], acc[m][r]);
+    }
+  }
+  if (K16 < K) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (K - K16)) - 1u);
+    for (int m = 0; m < M; ++m) {
+      const __m512 a = _mm512_maskz_loadu_ps(tail, x + m * K + K16);
+      for (int r = 0; r < kTileRows; ++r)
+        acc[m][r] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(tail, w + r * K + K16), acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kTileRows; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+// the last N % 4 weight rows: the same lane-wise accumulation and final reduction, one row at a time
+inline void ragged_row(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
+  const int64_t K16 = K & ~int64_t(15);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - K16)) - 1u);
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), _mm512_loadu_ps(w + k), acc);
+    if (K16 < K)
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + m * K + K16), _mm512_maskz_loadu_ps(tail, w + K16), acc);
+    y[m * ldy] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+void weight_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t o0,
+                 int64_t o1) {
+  for (int64_t o = o0; o < o1; o += kTileRows) {
+    const float* tile = w + o * K;
+    if (o + kTileRows > N) {
+      for (int64_t row = o; row < N; ++row) ragged_row(x, M, K, w + row * K, y + row, N);
+      continue;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {  // later passes find the tile in L1
+      const float* xm = x + m0 * K;
+      float* ym = y + m0 * N + o;
+      switch (std::min<int64_t>(M - m0, kRowsPerPass)) {
+        case 1: micro_tile<1>(xm, K, tile, ym, N); break;
+        case 2: micro_tile<2>(xm, K, tile, ym, N); break;
+        case 3: micro_tile<3>(xm, K, tile, ym, N); break;
+        default: micro_tile<4>(xm, K, tile, ym, N); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_linear: x (M, K) and w (N, K)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_linear: float32 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_linear: CPU tensors only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "small_linear: contiguous tensors only");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    weight_rows(xp, M, K, wp, yp, N, begin * kTileRows, std::min<int64_t>(end * kTileRows, N));
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("small_linear", &small_linear, "x @ w.T for a few rows of x"); }

@@ -1,0 +1,149 @@
+"""The CPU small-batch linear kernel: equal to `F.linear`, used where it should be, and only there."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+from hf_adaptive_spec.ops import cpu_linear
+from tiny_models import build_drafter, build_model, make_inputs
+
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel needs AVX-512 and a compiler")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Rows of every call that reached the compiled kernel."""
+    seen = []
+    extension = cpu_linear._extension()
+
+    class Spy:
+        @staticmethod
+        def small_linear(x, weight):
+            seen.append(x.shape[0])
+            return extension.small_linear(x, weight)
+
+    monkeypatch.setattr(cpu_linear, "_extension", lambda: Spy)
+    return seen
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 8, 13, 16])
+@pytest.mark.parametrize("in_features", [1, 5, 16, 37, 576])
+def test_kernel_equals_torch_linear(rows, in_features, calls):
+    torch.manual_seed(rows * 1000 + in_features)
+    for out_features in (1, 3, 4, 9, 130):
+        x = torch.randn(rows, in_features)
+        weight = torch.randn(out_features, in_features)
+        bias = torch.randn(out_features)
+        with cpu_linear.fast_linears():
+            got, got_nobias = cpu_linear.linear(x, weight, bias), cpu_linear.linear(x, weight)
+        tolerance = dict(rtol=1e-5, atol=1e-6 * in_features)  # sums of in_features float products, reordered
+        torch.testing.assert_close(got, F.linear(x, weight, bias), **tolerance)
+        torch.testing.assert_close(got_nobias, F.linear(x, weight), **tolerance)
+    assert calls == [rows] * 10
+
+
+@needs_kernel
+def test_kernel_takes_batched_inputs_and_only_small_row_counts(calls):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(24, 40), torch.randn(24)
+    with cpu_linear.fast_linears():
+        x = torch.randn(2, 3, 40)  # 6 rows
+        torch.testing.assert_close(cpu_linear.linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        assert calls == [6]
+        for shape in [(1, 40), (1, 1, 40), (17, 40), (2, 9, 40)]:  # one row (a plain step) and > 16 rows: torch
+            x = torch.randn(*shape)
+            assert torch.equal(cpu_linear.linear(x, weight, bias), F.linear(x, weight, bias))
+        assert calls == [6]
+        x = torch.randn(4, 40, dtype=torch.float64)  # not fp32: torch
+        assert torch.equal(cpu_linear.linear(x, weight.double()), F.linear(x, weight.double()))
+        x = torch.randn(4, 40, requires_grad=True)  # autograd: torch (the kernel has no backward)
+        cpu_linear.linear(x, weight).sum().backward()
+        assert x.grad is not None
+        assert calls == [6]
+    x = torch.randn(4, 40)  # outside fast_linears: torch
+    assert torch.equal(cpu_linear.linear(x, weight), F.linear(x, weight))
+    assert calls == [6]
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """A tree node's logits must not change with the tree around it: same row, bitwise the same output."""
+    torch.manual_seed(0)
+    weight = torch.randn(70, 200)
+    x = torch.randn(16, 200)
+    with cpu_linear.fast_linears():
+        full = cpu_linear.linear(x, weight)
+        for rows in (2, 3, 5, 8, 11):
+            assert torch.equal(cpu_linear.linear(x[:rows], weight), full[:rows])
+        assert torch.equal(cpu_linear.linear(x[5:9], weight), full[5:9])
+
+
+@needs_kernel
+def test_fast_linears_patches_plain_fp32_linears_and_restores_them(calls):
+    class Wrapped(nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Wrapped(8, 8), nn.Linear(8, 8).double(), nn.Linear(8, 8))
+    hooked = model[3]
+    hooked.forward = lambda x: x  # e.g. accelerate's offload hook: left alone
+    x = torch.randn(3, 8)
+    with cpu_linear.fast_linears(model, None) as on:
+        assert on
+        assert "forward" in model[0].__dict__
+        assert "forward" not in model[1].__dict__ and "forward" not in model[2].__dict__
+        assert hooked.forward(x) is x
+        model[0](x).sum().backward()  # autograd on: torch's linear (a training step inside still works)
+        assert model[0].weight.grad is not None and calls == []
+        with torch.no_grad():
+            got = model[0](x)
+        torch.testing.assert_close(got, F.linear(x, model[0].weight, model[0].bias).detach(), rtol=1e-5, atol=1e-5)
+    assert calls == [3]
+    assert "forward" not in model[0].__dict__
+    with pytest.raises(KeyError), cpu_linear.fast_linears(model):
+        raise KeyError("boom")
+    assert "forward" not in model[0].__dict__ and not cpu_linear.active()
+
+
+def test_switches(monkeypatch):
+    with cpu_linear.use_cpu_kernels(False), cpu_linear.fast_linears(nn.Linear(4, 4)) as on:
+        assert not on and not cpu_linear.active()
+    with pytest.raises(ValueError, match="True, False or 'auto'"), cpu_linear.use_cpu_kernels("sometimes"):
+        pass
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_CPU_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="HF_ADAPTIVE_SPEC_CPU_KERNELS"):
+        cpu_linear.enabled()
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_CPU_KERNELS", "0")
+    assert not cpu_linear.enabled()
+    monkeypatch.delenv("HF_ADAPTIVE_SPEC_CPU_KERNELS")
+    monkeypatch.setattr(cpu_linear, "_cpu_supported", lambda: "the CPU capability torch reports is AVX2")
+    assert not cpu_linear.enabled()  # auto: off, silently (an ordinary CPU)
+    with cpu_linear.use_cpu_kernels(True), pytest.raises(RuntimeError, match="AVX2"):
+        cpu_linear.enabled()
+
+
+def _laspec_drafter(target):
+    torch.manual_seed(0)
+    return LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,strategy", [("llama", "laspec"), ("qwen2_vl", "laspec"), ("llama", "sage")])
+def test_speculative_output_with_the_kernel_equals_plain(arch, strategy, calls):
+    target = build_model(arch, hidden_size=64)
+    inputs = make_inputs(arch, batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    drafter = _laspec_drafter(target) if strategy == "laspec" else build_drafter(arch, target, "small")
+    for mode in (True, False):
+        before = len(calls)
+        with cpu_linear.use_cpu_kernels(mode):
+            out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                                  spec_strategy=strategy, spec_config={"verify_cost": False},
+                                  return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert (len(calls) > before) == mode  # the rounds ran through the kernel only when it was on
+    assert not any("forward" in m.__dict__ for m in target.modules())
+    assert not any("forward" in m.__dict__ for m in drafter.modules())
