@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
+
 namespace {
 
 constexpr int kTileRows = 4;     // weight rows per micro-tile
@@ -87,6 +89,8 @@ void weight_rows(const float* x, int64_t M, int64_t K, const float* w, float* y,
 
 }  // namespace
 
+std::atomic<int64_t> kernel_calls{0};  // for tests: how many calls ran the kernel
+
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_linear: x (M, K) and w (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_linear: float32 only");
@@ -94,6 +98,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "small_linear: contiguous tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
+  kernel_calls.fetch_add(1, std::memory_order_relaxed);
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
   const float* xp = x.data_ptr<float>();
@@ -106,4 +111,28 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("small_linear", &small_linear, "x @ w.T for a few rows of x"); }
+// F.linear(x, w, bias), through the kernel when x holds min_rows..max_rows rows of fp32 CPU data and no
+// gradient is needed; everything else (one row, many rows, other dtypes, autograd) goes to at::linear
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                     int64_t min_rows, int64_t max_rows) {
+  const int64_t K = x.dim() ? x.size(-1) : 0;
+  const int64_t rows = K ? x.numel() / K : 0;
+  const bool grad = at::GradMode::is_enabled() &&
+                    (x.requires_grad() || w.requires_grad() || (bias.has_value() && bias->requires_grad()));
+  if (rows < min_rows || rows > max_rows || grad || x.scalar_type() != at::kFloat ||
+      w.scalar_type() != at::kFloat || !x.device().is_cpu() || !w.device().is_cpu() || w.dim() != 2 ||
+      w.size(1) != K || !w.is_contiguous() ||
+      (bias.has_value() && (bias->scalar_type() != at::kFloat || !bias->device().is_cpu())))
+    return at::linear(x, w, bias);
+  auto y = small_linear(x.reshape({rows, K}).contiguous(), w);
+  if (bias.has_value()) y.add_(*bias);
+  auto sizes = x.sizes().vec();
+  sizes.back() = w.size(0);
+  return y.view(sizes);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_linear", &small_linear, "x @ w.T for a few rows of x (M, K) and w (N, K)");
+  m.def("linear", &linear, "F.linear, through small_linear for min_rows..max_rows fp32 rows");
+  m.def("kernel_calls", []() { return kernel_calls.load(); });
+}
