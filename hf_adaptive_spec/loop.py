@@ -17,6 +17,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import ops
 from .acceptance import sample_accept
+from .attention import tree_attention
 from .compat import cache_from_kwargs, check_cache, check_model, check_pair
 from .cost import CostModel, shared_calibration, verifier_cost_profile
 from .drafters.block import BlockDrafter
@@ -223,6 +224,8 @@ def _speculative_decode(
 
     if device.type == "cpu":  # verification and drafting run a few rows per linear layer: the small-batch kernel
         after_prefill.enter_context(cpu_linear.fast_linears(model, assistant_model))
+    for verifier in (model, None if block_drafter else assistant_model):  # tree forwards: GQA without repeat_kv
+        after_prefill.enter_context(tree_attention(verifier))
 
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     counts, done = stopper.cut(buffer, first_token[:, None], torch.ones_like(first_token))

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import ops
+from .attention import tree_sdpa_attention
 
 __all__ = [
     "CAPTURE_ATTENTION",
@@ -201,14 +201,14 @@ def select_visual_tokens(
 
 
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
-    """Attention function: record the query (B, H, Q, D) of captured layers, then run sdpa."""
+    """Attention function: record the query (B, H, Q, D) of captured layers, then run sdpa (tree-folded)."""
     for capture in reversed(_ACTIVE_CAPTURES.get()):
         layer = capture._layer_of_module.get(id(module))
         if layer is not None:
             if layer in capture.layer_ids:
                 capture.queries[layer] = query.detach()
             break
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    return tree_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def register_capture_attention() -> str:
