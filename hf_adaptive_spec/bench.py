@@ -49,6 +49,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .ops import cpu_linear
+
 __all__ = [
     "DEFAULT_DRAFTER",
     "DEFAULT_STOCK_BEST",
@@ -748,6 +750,8 @@ def _environment(device: torch.device, started: str) -> dict:
         "cpu_count": os.cpu_count(),
         # stock assisted generation adapts its confidence threshold only when scikit-learn is importable
         "sklearn_available": importlib.util.find_spec("sklearn") is not None,
+        # the speculative rounds' small-batch linear kernel (plain generate never uses it)
+        "cpu_small_linear": device.type == "cpu" and cpu_linear.enabled(),
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
@@ -827,7 +831,9 @@ def write_markdown(results: dict, path: Path) -> None:
         + (" (int8 dynamic)" if results["models"]["drafter_int8"] else ""),
         f"- greedy, max_new_tokens={results['settings']['max_new_tokens']}, warm-up runs per method: "
         f"{results['settings']['warmup']}, order of methods rotated per prompt",
-        f"- {env['device']} ({env.get('gpu') or env['cpu_model']}), {env['threads']} threads; torch {env['torch']}, "
+        f"- {env['device']} ({env.get('gpu') or env['cpu_model']}), {env['threads']} threads"
+        + ("; CPU small-batch linear kernel in the speculative rounds" if env.get("cpu_small_linear") else "")
+        + f"; torch {env['torch']}, "
         f"transformers {env['transformers']}, hf_adaptive_spec {env['hf_adaptive_spec']} ({env['git_commit']}); "
         f"{env['started']} -> {env['finished']}",
     ]

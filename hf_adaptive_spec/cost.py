@@ -3,7 +3,7 @@
 On a GPU at low load, verifying 16 tokens costs about what verifying 1 does;
 on a 2-core CPU with torch's linear the cost jumps once the forward leaves the
 small-matrix GEMM path (about 4 tokens) and then grows (with the small-batch
-kernel of `ops.cpu_linear` it grows gently up to 16). A tree that is right on one device is
+kernel of `ops.cpu_linear` it grows gently up to 24). A tree that is right on one device is
 wrong on the other, so the size of what gets verified is chosen from a
 MEASURED cost curve:
 

@@ -20,7 +20,7 @@ def calls():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 8, 13, 16])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 8, 13, 16, 24])
 @pytest.mark.parametrize("in_features", [1, 5, 16, 37, 576])
 def test_kernel_equals_torch_linear(rows, in_features, calls):
     torch.manual_seed(rows * 1000 + in_features)
@@ -44,7 +44,8 @@ def test_kernel_takes_batched_inputs_and_only_small_row_counts(calls):
         x = torch.randn(2, 3, 40)  # 6 rows
         torch.testing.assert_close(cpu_linear.linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
         assert calls() == 1
-        for shape in [(1, 40), (1, 1, 40), (17, 40), (2, 9, 40)]:  # one row (a plain step) and > 16 rows: torch
+        over = cpu_linear.MAX_ROWS + 1  # one row (a plain step) and more than MAX_ROWS rows: torch
+        for shape in [(1, 40), (1, 1, 40), (over, 40), (2, over // 2 + 1, 40)]:
             x = torch.randn(*shape)
             assert torch.equal(cpu_linear.linear(x, weight, bias), F.linear(x, weight, bias))
         assert calls() == 1

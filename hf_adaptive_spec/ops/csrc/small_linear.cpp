@@ -1,6 +1,6 @@
 // y = x @ w.T for a few rows of x (fp32, CPU, AVX-512): the tree verification's shape.
 //
-// Why: for 2 <= rows <= 16 MKL's sgemm packs the weight panel on every call, so a forward of 4-16 tokens
+// Why: for a few rows MKL's sgemm packs the weight panel on every call, so a forward of 4-16 tokens
 // costs up to twice a one-token forward although it streams the same weights. Here every weight row is read
 // once from memory: a tile of 4 weight rows (contiguous) meets up to 4 rows of x at a time (16 zmm
 // accumulators), the next 512 bytes of each weight row are prefetched, and each dot product is reduced once
