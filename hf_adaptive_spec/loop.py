@@ -222,10 +222,11 @@ def _speculative_decode(
     target = ModelRunner(model, cache, slot_valid, position_ids)
     first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
 
-    if device.type == "cpu":  # verification and drafting run a few rows per linear layer: the small-batch kernel
+    if device.type == "cpu":  # measured on CPUs only (no GPU figures yet): both change float rounding, not math
+        # verification and drafting run a few rows per linear layer: the small-batch kernel
         after_prefill.enter_context(cpu_linear.fast_linears(model, assistant_model))
-    for verifier in (model, None if block_drafter else assistant_model):  # tree forwards: GQA without repeat_kv
-        after_prefill.enter_context(tree_attention(verifier))
+        for verifier in (model, None if block_drafter else assistant_model):  # tree forwards: GQA without repeat_kv
+            after_prefill.enter_context(tree_attention(verifier))
 
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     counts, done = stopper.cut(buffer, first_token[:, None], torch.ones_like(first_token))

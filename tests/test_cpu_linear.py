@@ -51,6 +51,9 @@ def test_kernel_takes_batched_inputs_and_only_small_row_counts(calls):
         assert calls() == 1
         x = torch.randn(4, 40, dtype=torch.float64)  # not fp32: torch
         assert torch.equal(cpu_linear.linear(x, weight.double()), F.linear(x, weight.double()))
+        strided = torch.randn(40, 24).t()  # a non-contiguous weight: torch
+        x = torch.randn(4, 40)
+        assert torch.equal(cpu_linear.linear(x, strided), F.linear(x, strided))
         x = torch.randn(4, 40, requires_grad=True)  # autograd: torch (the kernel has no backward)
         cpu_linear.linear(x, weight).sum().backward()
         assert x.grad is not None
