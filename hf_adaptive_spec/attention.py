@@ -11,7 +11,8 @@ stock path (outputs measured bitwise equal on SmolLM2) and saves 4-5 ms per veri
 `TREE_SDPA` is registered with transformers' `AttentionInterface` (and sdpa's mask function, which the model
 needs to build the mask for a registered implementation); `tree_attention(model)` switches a model's text
 attention from "sdpa" to it inside a `with` block. Every call it cannot fold (one token, no or per-head mask,
-no grouped heads, dropout, softcap, sinks, position bias) is handed to transformers' own sdpa function.
+no grouped heads, dropout, softcap, sinks, position bias, and for now any device but the CPU, the only one
+it has been measured on) is handed to transformers' own sdpa function.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ _SPECIAL_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "head_mask", "a
 def _foldable(module, query, key, value, attention_mask, dropout, kwargs) -> int:
     """n_rep when the call can run with query heads folded onto their key/value head, else 0."""
     n_rep = getattr(module, "num_key_value_groups", 1)
+    if query.device.type != "cpu":  # measured on CPUs only so far
+        return 0
     if not isinstance(n_rep, int) or n_rep <= 1 or query.shape[2] <= 1 or dropout:
         return 0
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:

@@ -134,10 +134,11 @@ def speculative_decode(*args, **kwargs):
     `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`).
     """
     with contextlib.ExitStack() as after_prefill:  # contexts the rounds run in, closed on any exit
-        return _speculative_decode(*args, after_prefill=after_prefill, **kwargs)
+        return _speculative_decode(after_prefill, *args, **kwargs)
 
 
 def _speculative_decode(
+    after_prefill: contextlib.ExitStack,
     model,
     input_ids: torch.LongTensor,
     logits_processor,
@@ -149,7 +150,6 @@ def _speculative_decode(
     assistant_tokenizer=None,
     raw_inputs: dict | None = None,
     synced_gpus: bool = False,
-    after_prefill: contextlib.ExitStack | None = None,
     **model_kwargs,
 ):
     start_time = time.perf_counter()

@@ -53,6 +53,8 @@ def test_calls_it_cannot_fold_go_to_transformers_sdpa():
     for special in ("softcap", "s_aux", "position_bias"):
         assert fold(module, query, key, value, mask, 0.0, {special: 1.0}) == 0
     assert fold(module, query, key, value, mask, 0.0, {"output_attentions": True}) == 0
+    meta = [t.to("meta") for t in (query, key, value, mask)]
+    assert fold(module, *meta, 0.0, {}) == 0  # not a CPU tensor: not measured there yet
     assert fold(module, query, key, value, mask, 0.0, {"position_ids": None, "use_cache": True}) == 2
     got, _ = tree_sdpa_attention(module, query[:, :, :1], key, value, mask[:, :, :1, :7])
     expected, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query[:, :, :1], key, value, mask[:, :, :1, :7])
