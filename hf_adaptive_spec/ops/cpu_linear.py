@@ -127,7 +127,8 @@ def enabled() -> bool:
         return True
     reason = _cpu_supported() or _load_error()
     if mode == "1":
-        raise RuntimeError(f"HF_ADAPTIVE_SPEC_CPU_KERNELS=1 but the CPU small-batch kernel cannot be used: {reason}")
+        raise RuntimeError("The CPU small-batch kernel is required (HF_ADAPTIVE_SPEC_CPU_KERNELS=1 or "
+                           f"use_cpu_kernels(True)) but cannot be used: {reason}")
     _warn_once(reason)
     return False
 
