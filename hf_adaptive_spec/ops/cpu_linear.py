@@ -1,20 +1,20 @@
 """A small-batch linear kernel for CPUs: what a tree verification forward spends its time in.
 
-A verification forward runs 2-24 tokens through every linear layer of the target. On CPUs, MKL's sgemm
+A verification forward runs a few tokens through every linear layer of the target. On CPUs, MKL's sgemm
 packs the weight panel on each such call, so 4 tokens cost about 1.5x and 8 tokens about 2x what one token
 costs although the same weights are streamed (SmolLM2-135M, fp32, 2 cores: linear layers 26 ms for one
-row, 45 ms for 4, 58 ms for 8). `csrc/small_linear.cpp` reads every weight row once (AVX-512, prefetched):
+row, 45 ms for 4, 58 ms for 8). `csrc/small_linear.cpp` reads every weight row once (AVX-512 or AVX2, prefetched):
 29 ms for 4 rows, 34 ms for 8. It changes no result beyond float rounding: each output is the same dot
 product, summed in another order, and which tokens are accepted is still decided by the target's own
 greedy choice (outputs are tested equal to plain `generate`).
 
 Use:
-- `linear(x, weight, bias)`: the kernel for fp32 CPU inputs with 2..24 rows while `enabled()`, else
+- `linear(x, weight, bias)`: the kernel for fp32 CPU inputs with 2..`max_rows()` rows (24 with AVX-512, 12 with AVX2) while `enabled()`, else
   `torch.nn.functional.linear`. One row (a plain decoding step) always goes to torch, so root-only rounds
   run exactly what plain decoding runs.
 - `fast_linears(*models)`: a context in which those models' `nn.Linear` layers call `linear` (the
   speculative loop wraps its rounds in it; the prefill stays stock).
-- Control: `HF_ADAPTIVE_SPEC_CPU_KERNELS=0` (off), `auto` (default: on where the CPU has AVX-512 and the
+- Control: `HF_ADAPTIVE_SPEC_CPU_KERNELS=0` (off), `auto` (default: on where torch runs AVX-512 or AVX2 kernels and the
   kernel builds), `1` (required: an error if it cannot be used); `use_cpu_kernels(False)` in code.
 
 The kernel is compiled on first use with `torch.utils.cpp_extension` (a C++ compiler and ninja; ~30 s
@@ -30,7 +30,6 @@ import functools
 import hashlib
 import logging
 import os
-import types
 import warnings
 from pathlib import Path
 
@@ -38,13 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["linear", "fast_linears", "active", "enabled", "available", "use_cpu_kernels", "MIN_ROWS", "MAX_ROWS"]
+__all__ = ["linear", "fast_linears", "active", "enabled", "available", "use_cpu_kernels", "MIN_ROWS", "max_rows"]
 
 MIN_ROWS = 2  # one row is a plain decoding step: torch's gemv, exactly as plain generate
-MAX_ROWS = 24  # measured on SmolLM2's shapes: 24 rows 56 vs 77 ms, 32 rows 78 vs 65 (MKL ahead from there)
+# most rows per call, by build (SmolLM2's shapes, 2 cores): AVX-512 24 rows 56 vs 77 ms with MKL, 32 rows 78 vs
+# 65; the AVX2 build (run on the same CPU, against MKL's AVX-512 path) 8 rows 64 vs 93 ms, 16 rows 105 vs 103
+_MAX_ROWS = {"avx512": 24, "avx2": 12}
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "small_linear.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mfma", "-fopenmp"]
+_ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"]}  # by torch's CPU capability
+_FLAGS = ["-O3", "-fopenmp"]
 _MODES = ("auto", "0", "1")
 _MODE = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels", default=None)
 _ACTIVE = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels_active", default=False)
@@ -73,35 +75,52 @@ def use_cpu_kernels(on: bool | str):
         _MODE.reset(token)
 
 
+@functools.lru_cache(maxsize=None)
+def _isa() -> str | None:
+    """The kernel build for this CPU: "avx512", "avx2" or None (what torch's own CPU kernels use)."""
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
+
+
 def _cpu_supported() -> str | None:
     """None when this CPU and torch build can run the kernel, else why not."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        return f"the CPU capability torch reports is {capability}, the kernel needs AVX512"
+    if _isa() is None:
+        return (f"the CPU capability torch reports is {torch.backends.cpu.get_cpu_capability()}; "
+                "the kernel needs AVX512 or AVX2")
     return None
 
 
 @functools.lru_cache(maxsize=None)
+def _build(isa: str):
+    """The extension compiled for `isa` (once per machine, source and torch version)."""
+    from torch.utils.cpp_extension import load
+
+    flags = _FLAGS + _ISA_FLAGS[isa]
+    source = _SOURCE.read_text()
+    digest = hashlib.sha1((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    root = os.environ.get("HF_ADAPTIVE_SPEC_KERNEL_CACHE") or Path.home() / ".cache" / "hf_adaptive_spec" / "kernels"
+    name = f"hf_adaptive_spec_small_linear_{isa}_{digest}"
+    build = Path(root).expanduser() / name
+    build.mkdir(parents=True, exist_ok=True)
+    if not (build / f"{name}.so").exists():
+        logger.warning("hf_adaptive_spec: compiling the CPU small-batch linear kernel (%s) for the speculative "
+                       "rounds (once per machine, ~40 s; HF_ADAPTIVE_SPEC_CPU_KERNELS=0 skips it)", isa)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # cpp_extension's notes about compiler versions
+        return load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build), verbose=False)
+
+
+def max_rows() -> int:
+    """Most rows a call may have to run the kernel on this CPU (more go to torch)."""
+    return _MAX_ROWS.get(_isa(), 0)
+
+
 def _extension():
-    """The compiled extension (built once per machine and torch version); raises with the reason on failure."""
+    """The compiled extension for this CPU; raises with the reason when there is none."""
     reason = _cpu_supported()
     if reason is not None:
         raise RuntimeError(reason)
-    from torch.utils.cpp_extension import load
-
-    source = _SOURCE.read_text()
-    digest = hashlib.sha1((source + " ".join(_FLAGS) + torch.__version__).encode()).hexdigest()[:12]
-    root = os.environ.get("HF_ADAPTIVE_SPEC_KERNEL_CACHE") or Path.home() / ".cache" / "hf_adaptive_spec" / "kernels"
-    build = Path(root).expanduser() / f"small_linear_{digest}"
-    build.mkdir(parents=True, exist_ok=True)
-    name = f"hf_adaptive_spec_small_linear_{digest}"
-    if not (build / f"{name}.so").exists():
-        logger.warning("hf_adaptive_spec: compiling the CPU small-batch linear kernel for the speculative rounds "
-                       "(once per machine, ~40 s; HF_ADAPTIVE_SPEC_CPU_KERNELS=0 skips it)")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # cpp_extension's notes about compiler versions
-        return load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    return _build(_isa())
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,7 +154,7 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _warn_once(reason: str) -> None:
-    if _cpu_supported() is None:  # a CPU without AVX-512 is expected, not worth a warning
+    if _cpu_supported() is None:  # a CPU without AVX2 is expected, not worth a warning
         warnings.warn(f"hf_adaptive_spec: the CPU small-batch linear kernel is unavailable ({reason}); tree "
                       "verification uses torch's linear (same results, slower).", stacklevel=3)
 
@@ -151,15 +170,19 @@ def kernel_calls() -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; inside `fast_linears`, fp32 CPU inputs of 2..24 rows without autograd go
+    """`F.linear(x, weight, bias)`; inside `fast_linears`, fp32 CPU inputs of 2..`max_rows()` rows without autograd go
     through the small-batch kernel (the checks and the fallback run in C++)."""
     if not _ACTIVE.get():
         return F.linear(x, weight, bias)
-    return _extension().linear(x, weight, bias, MIN_ROWS, MAX_ROWS)
+    return _extension().linear(x, weight, bias, MIN_ROWS, max_rows())
 
 
-def _linear_forward(self, input):  # bound to one nn.Linear instance by fast_linears
-    return _extension().linear(input, self.weight, self.bias, MIN_ROWS, MAX_ROWS)
+def _routed_forward(module: nn.Linear, kernel_linear, most_rows: int):
+    """`module.forward` through the compiled dispatcher (checks and fallback in C++), bound by fast_linears."""
+    def forward(input):
+        return kernel_linear(input, module.weight, module.bias, MIN_ROWS, most_rows)
+
+    return forward
 
 
 @contextlib.contextmanager
@@ -174,6 +197,7 @@ def fast_linears(*models):
         yield False
         return
     patched = []
+    kernel_linear, most_rows = _extension().linear, max_rows()
     try:
         for model in models:
             if model is None:
@@ -184,7 +208,7 @@ def fast_linears(*models):
                 weight = module.weight
                 if weight.device.type != "cpu" or weight.dtype != torch.float32:
                     continue
-                module.forward = types.MethodType(_linear_forward, module)
+                module.forward = _routed_forward(module, kernel_linear, most_rows)
                 patched.append(module)
         token = _ACTIVE.set(True)
         try:

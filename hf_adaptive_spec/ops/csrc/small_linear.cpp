@@ -1,11 +1,12 @@
-// y = x @ w.T for a few rows of x (fp32, CPU, AVX-512): the tree verification's shape.
+// y = x @ w.T for a few rows of x (fp32, CPU; AVX-512 or AVX2 + FMA): the tree verification's shape.
 //
 // Why: for a few rows MKL's sgemm packs the weight panel on every call, so a forward of 4-16 tokens
 // costs up to twice a one-token forward although it streams the same weights. Here every weight row is read
 // once from memory: a tile of 4 weight rows (contiguous) meets up to 4 rows of x at a time (16 zmm
-// accumulators), the next 512 bytes of each weight row are prefetched, and each dot product is reduced once
-// at the end. Every output row is computed the same way whatever the number of rows (no cross-row blocking
-// of the reduction), so a row's value does not depend on which other rows share the call.
+// accumulators; 2 rows and 8 ymm accumulators with AVX2), the next 512 bytes of each weight row are
+// prefetched, and each dot product is reduced once at the end. Every output row is computed the same way
+// whatever the number of rows (no cross-row blocking of the reduction), so a row's value does not depend on
+// which other rows share the call. The instruction set is chosen at compile time (-mavx512f or -mavx2).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -14,55 +15,80 @@
 
 namespace {
 
-constexpr int kTileRows = 4;     // weight rows per micro-tile
-constexpr int kRowsPerPass = 4;  // rows of x per pass over a tile
-constexpr int kPrefetch = 128;   // floats ahead in each weight row
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int kLanes = 16;
+constexpr int kRowsPerPass = 4;  // rows of x per pass over a tile: 4 x 4 accumulators of 32 registers
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload_first(const float* p, int64_t n) {  // lanes [0, n) of p, zeros after (n < kLanes)
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using vec = __m256;
+constexpr int kLanes = 8;
+constexpr int kRowsPerPass = 2;  // 4 x 2 accumulators of 16 registers
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload_first(const float* p, int64_t n) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#else
+#error "small_linear needs AVX-512F or AVX2 + FMA (build with -mavx512f or -mavx2 -mfma)"
+#endif
+
+constexpr int kTileRows = 4;    // weight rows per micro-tile
+constexpr int kPrefetch = 128;  // floats ahead in each weight row
 
 template <int M>
 inline void micro_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
-  __m512 acc[M][kTileRows];
+  vec acc[M][kTileRows];
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
-    for (int r = 0; r < kTileRows; ++r) acc[m][r] = _mm512_setzero_ps();
-  const int64_t K16 = K & ~int64_t(15);
-  for (int64_t k = 0; k < K16; k += 16) {
-    __m512 b[kTileRows];
+    for (int r = 0; r < kTileRows; ++r) acc[m][r] = vzero();
+  const int64_t body = K - K % kLanes;
+  for (int64_t k = 0; k < body; k += kLanes) {
+    vec b[kTileRows];
 #pragma GCC unroll 4
     for (int r = 0; r < kTileRows; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + kPrefetch), _MM_HINT_T0);
-      b[r] = _mm512_loadu_ps(w + r * K + k);
+      b[r] = vload(w + r * K + k);
     }
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {
-      const __m512 a = _mm512_loadu_ps(x + m * K + k);
+      const vec a = vload(x + m * K + k);
 #pragma GCC unroll 4
-      for (int r = 0; r < kTileRows; ++r) acc[m][r] = _mm512_fmadd_ps(a, b[r], acc[m][r]);
+      for (int r = 0; r < kTileRows; ++r) acc[m][r] = vfma(a, b[r], acc[m][r]);
     }
   }
-  if (K16 < K) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (K - K16)) - 1u);
+  if (body < K) {
     for (int m = 0; m < M; ++m) {
-      const __m512 a = _mm512_maskz_loadu_ps(tail, x + m * K + K16);
-      for (int r = 0; r < kTileRows; ++r)
-        acc[m][r] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(tail, w + r * K + K16), acc[m][r]);
+      const vec a = vload_first(x + m * K + body, K - body);
+      for (int r = 0; r < kTileRows; ++r) acc[m][r] = vfma(a, vload_first(w + r * K + body, K - body), acc[m][r]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < kTileRows; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < kTileRows; ++r) y[m * ldy + r] = vsum(acc[m][r]);
 }
 
 // the last N % 4 weight rows: the same lane-wise accumulation and final reduction, one row at a time
 inline void ragged_row(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
-  const int64_t K16 = K & ~int64_t(15);
-  const __mmask16 tail = static_cast<__mmask16>((1u << (K - K16)) - 1u);
+  const int64_t body = K - K % kLanes;
   for (int64_t m = 0; m < M; ++m) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K16; k += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), _mm512_loadu_ps(w + k), acc);
-    if (K16 < K)
-      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + m * K + K16), _mm512_maskz_loadu_ps(tail, w + K16), acc);
-    y[m * ldy] = _mm512_reduce_add_ps(acc);
+    vec acc = vzero();
+    for (int64_t k = 0; k < body; k += kLanes) acc = vfma(vload(x + m * K + k), vload(w + k), acc);
+    if (body < K) acc = vfma(vload_first(x + m * K + body, K - body), vload_first(w + body, K - body), acc);
+    y[m * ldy] = vsum(acc);
   }
 }
 
@@ -77,11 +103,12 @@ void weight_rows(const float* x, int64_t M, int64_t K, const float* w, float* y,
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {  // later passes find the tile in L1
       const float* xm = x + m0 * K;
       float* ym = y + m0 * N + o;
-      switch (std::min<int64_t>(M - m0, kRowsPerPass)) {
-        case 1: micro_tile<1>(xm, K, tile, ym, N); break;
-        case 2: micro_tile<2>(xm, K, tile, ym, N); break;
-        case 3: micro_tile<3>(xm, K, tile, ym, N); break;
-        default: micro_tile<4>(xm, K, tile, ym, N); break;
+      const int64_t rows = std::min<int64_t>(M - m0, kRowsPerPass);
+      if (rows == kRowsPerPass) micro_tile<kRowsPerPass>(xm, K, tile, ym, N);
+      else if (rows == 1) micro_tile<1>(xm, K, tile, ym, N);
+      else if constexpr (kRowsPerPass > 2) {
+        if (rows == 2) micro_tile<2>(xm, K, tile, ym, N);
+        else micro_tile<3>(xm, K, tile, ym, N);
       }
     }
   }
