@@ -83,7 +83,8 @@ def test_the_avx2_build_equals_torch_linear_too():
     extension = cpu_linear._build("avx2")
     torch.manual_seed(0)
     for rows, in_features, out_features in [(2, 5, 3), (3, 8, 4), (5, 37, 9), (8, 576, 130), (24, 100, 7)]:
-        x, weight, bias = torch.randn(rows, in_features), torch.randn(out_features, in_features), torch.randn(out_features)
+        x, weight = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+        bias = torch.randn(out_features)
         tolerance = dict(rtol=1e-5, atol=1e-6 * in_features)
         torch.testing.assert_close(extension.small_linear(x, weight), F.linear(x, weight), **tolerance)
         torch.testing.assert_close(extension.linear(x, weight, bias, 2, 24), F.linear(x, weight, bias), **tolerance)

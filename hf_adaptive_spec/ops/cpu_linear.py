@@ -9,17 +9,17 @@ product, summed in another order, and which tokens are accepted is still decided
 greedy choice (outputs are tested equal to plain `generate`).
 
 Use:
-- `linear(x, weight, bias)`: the kernel for fp32 CPU inputs with 2..`max_rows()` rows (24 with AVX-512, 12 with AVX2) while `enabled()`, else
-  `torch.nn.functional.linear`. One row (a plain decoding step) always goes to torch, so root-only rounds
-  run exactly what plain decoding runs.
+- `linear(x, weight, bias)`: the kernel for fp32 CPU inputs with 2..`max_rows()` rows (24 with AVX-512, 12
+  with AVX2) while `enabled()`, else `torch.nn.functional.linear`. One row (a plain decoding step) always
+  goes to torch, so root-only rounds run exactly what plain decoding runs.
 - `fast_linears(*models)`: a context in which those models' `nn.Linear` layers call `linear` (the
   speculative loop wraps its rounds in it; the prefill stays stock).
-- Control: `HF_ADAPTIVE_SPEC_CPU_KERNELS=0` (off), `auto` (default: on where torch runs AVX-512 or AVX2 kernels and the
-  kernel builds), `1` (required: an error if it cannot be used); `use_cpu_kernels(False)` in code.
+- Control: `HF_ADAPTIVE_SPEC_CPU_KERNELS=0` (off), `auto` (default: on where torch runs AVX-512 or AVX2
+  kernels and the kernel builds), `1` (required: an error if it cannot be used); `use_cpu_kernels(False)`.
 
-The kernel is compiled on first use with `torch.utils.cpp_extension` (a C++ compiler and ninja; ~30 s
-once, cached under `$HF_ADAPTIVE_SPEC_KERNEL_CACHE` or `~/.cache/hf_adaptive_spec/kernels`). If that fails under `auto`, one warning is issued
-and torch's linear is used: results are the same, only slower.
+The kernel is compiled on first use with `torch.utils.cpp_extension` (a C++ compiler and ninja; ~40 s
+once, cached under `$HF_ADAPTIVE_SPEC_KERNEL_CACHE` or `~/.cache/hf_adaptive_spec/kernels`). If that fails
+under `auto`, one warning is issued and torch's linear is used: results are the same, only slower.
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ def kernel_calls() -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; inside `fast_linears`, fp32 CPU inputs of 2..`max_rows()` rows without autograd go
-    through the small-batch kernel (the checks and the fallback run in C++)."""
+    """`F.linear(x, weight, bias)`; inside `fast_linears`, fp32 CPU inputs of 2..`max_rows()` rows without
+    autograd go through the small-batch kernel (the checks and the fallback run in C++)."""
     if not _ACTIVE.get():
         return F.linear(x, weight, bias)
     return _extension().linear(x, weight, bias, MIN_ROWS, max_rows())
@@ -191,7 +191,8 @@ def fast_linears(*models):
 
     Layers whose `forward` is already replaced on the instance (accelerate's offload hooks, another wrapper)
     and subclasses of `nn.Linear` (quantized or adapter layers) are left alone. Does nothing when
-    `enabled()` is False.
+    `enabled()` is False. The layers themselves are patched, so another thread running the same model inside
+    the block gets the kernel too (float rounding differs, nothing else).
     """
     if not enabled():
         yield False
