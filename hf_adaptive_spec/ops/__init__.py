@@ -50,15 +50,20 @@ def _triton_module():
 
 
 @contextlib.contextmanager
+def scoped(variable: contextvars.ContextVar, value):
+    """`variable` set to `value` inside a `with` block (the backend switches of this package)."""
+    token = variable.set(value)
+    try:
+        yield
+    finally:
+        variable.reset(token)
+
+
 def use_backend(name: str):
     """Force the ops backend inside a `with` block: "auto" (default), "torch" or "triton"."""
     if name not in _BACKENDS:
         raise ValueError(f"Unknown ops backend {name!r}; valid backends: {', '.join(_BACKENDS)}.")
-    token = _BACKEND.set(name)
-    try:
-        yield
-    finally:
-        _BACKEND.reset(token)
+    return scoped(_BACKEND, name)
 
 
 def _kernel_for(op_name: str, tensor: torch.Tensor | None):

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import scoped
+
 __all__ = ["linear", "fast_linears", "active", "enabled", "available", "use_cpu_kernels", "MIN_ROWS", "max_rows"]
 
 MIN_ROWS = 2  # one row is a plain decoding step: torch's gemv, exactly as plain generate
@@ -62,17 +64,12 @@ def _mode() -> str:
     return mode
 
 
-@contextlib.contextmanager
 def use_cpu_kernels(on: bool | str):
     """Force the CPU kernels on (True: error if unavailable), off (False) or "auto" inside a `with` block."""
     mode = {True: "1", False: "0"}.get(on, on)
     if mode not in _MODES:
         raise ValueError(f"use_cpu_kernels takes True, False or 'auto', got {on!r}.")
-    token = _MODE.set(mode)
-    try:
-        yield
-    finally:
-        _MODE.reset(token)
+    return scoped(_MODE, mode)
 
 
 @functools.lru_cache(maxsize=None)
