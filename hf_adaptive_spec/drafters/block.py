@@ -27,6 +27,7 @@ import torch
 from ..lookup import add_chain, context_lookup
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
+from .host_tree import HostTree, budget_tree, latest_match
 from .levels import choose_level
 from ..vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .laspec import LaSpecDrafterModel, gather_target_hidden, spread_to_vocabulary
@@ -103,6 +104,9 @@ class BlockDrafter:
         self.image_mask = None
         self.model_time = 0.0
         self.visual_time = 0.0
+        # batch 1, greedy, no processors, a budget strategy: build the tree on the host (same tree, see
+        # `host_tree`); False always takes the tensor path (tests compare the two)
+        self.host_trees = True
 
     # ---- vision
 
@@ -220,7 +224,15 @@ class BlockDrafter:
         `lookup.context_lookup`); with `context_lookup` set, a greedy tree also gets the lookup chain.
         """
         tree = self._draft_tree(strategy, process, max_depth, sample, generator)
-        if self.context_lookup and context is not None and not sample:
+        lookup = self.context_lookup and context is not None and not sample
+        if isinstance(tree, HostTree):
+            if lookup:
+                ids, lengths, start = context
+                chain, match = latest_match(ids[0, int(start[0]):int(lengths[0])].tolist(), self.context_lookup,
+                                            self.block_size)
+                tree.add_chain(chain[: max(int(max_depth[0]), 0)], match)
+            return tree.to_draft_tree(self.root.device)
+        if lookup:
             ids, lengths, start = context
             tokens, valid, match = context_lookup(ids, lengths, start, self.context_lookup, self.block_size)
             valid &= torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= max_depth[:, None]
@@ -234,7 +246,7 @@ class BlockDrafter:
         return DraftTree(tokens=root, parents=none, valid=torch.ones_like(root, dtype=torch.bool), probs=ones,
                          cum_probs=ones, depths=torch.zeros_like(root), drafter_slot=none, num_levels=0)
 
-    def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree:
+    def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree | HostTree:
         batch = self.root.shape[0]
         device = self.root.device
         depth_limit = max(1, min(self.block_size, int(max_depth.max())))
@@ -254,6 +266,11 @@ class BlockDrafter:
             root_logits = process(logits[:, :1], no_path, torch.zeros(batch, 1, dtype=torch.long, device=device),
                                   torch.ones(batch, 1, dtype=torch.bool, device=device))
         strategy.on_root(root_logits[:, 0])
+        if shared and batch == 1 and self.host_trees and strategy.shared_budget is not None:
+            if int(max_depth[0]) >= depth_limit:  # no row-specific depth cut
+                probs = top_probs[0].tolist()
+                if min(min(level) for level in probs) > 0:
+                    return budget_tree(int(self.root[0]), probs, top_tokens[0].tolist(), strategy.shared_budget)
 
         builder = TreeBuilder()
         ones = torch.ones(batch, 1, dtype=torch.bool, device=device)

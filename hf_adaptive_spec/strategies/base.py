@@ -77,6 +77,13 @@ class Strategy:
         """K: how many top candidates per frontier node the loop offers."""
         raise NotImplementedError
 
+    @property
+    def shared_budget(self) -> int | None:
+        """n_max when `select` takes, level by level, the candidates of highest path probability until n_max
+        draft nodes are taken (greedy `limit_to_budget` over every candidate, nothing else): then a block
+        drafter at batch 1 may build the same tree on the host (`drafters.host_tree`). None otherwise."""
+        return None
+
     def on_root(self, root_logits: torch.Tensor) -> None:
         """Called once per round with the drafter's processed logits `(B, V)` at the root."""
 

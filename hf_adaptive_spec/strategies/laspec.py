@@ -73,6 +73,10 @@ class LaSpecStrategy(Strategy):
     def max_children(self):
         return self.config.top_k
 
+    @property
+    def shared_budget(self):
+        return None if self.sampling else self.config.n_max
+
     def on_root(self, root_logits):
         self.nodes_used.zero_()
 

@@ -1,0 +1,113 @@
+"""The block drafter's host-built trees (batch 1, greedy, budget strategy) equal the tensor path's, field by field."""
+
+import random
+
+import pytest
+import torch
+
+from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+from hf_adaptive_spec.drafters import block as block_module
+from hf_adaptive_spec.drafters import host_tree
+from hf_adaptive_spec.lookup import context_lookup
+from hf_adaptive_spec.strategies import resolve_config
+from hf_adaptive_spec.strategies.laspec import LaSpecStrategy
+from tiny_models import build_model, make_inputs
+
+FIELDS = ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot", "lookup")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = build_model("llama")
+    torch.manual_seed(0)
+    drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
+    return target, drafter
+
+
+def _scores(gen, depth, vocab, kind):
+    if kind == "random":
+        return torch.randn(1, depth, vocab, generator=gen) * 3
+    if kind == "ties":  # few distinct logits: many equal probabilities and equal path products
+        return torch.randint(0, 3, (1, depth, vocab), generator=gen).float()
+    logits = torch.full((1, depth, vocab), -10.0)  # one sure token per depth, the rest tied near 0
+    logits[0, torch.arange(depth), torch.randint(0, vocab, (depth,), generator=gen)] = 10.0
+    return logits
+
+
+def _draw(state, strategy, scores, max_depth, context, host):
+    state.host_trees = host
+    state.block_scores = lambda depth: (scores[:, :depth], None)
+    return state.draft(strategy, None, torch.tensor([max_depth]), context=context)
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "sure"])
+def test_host_tree_equals_tensor_tree(pair, kind, monkeypatch):
+    target, drafter = pair
+    built = []
+    original = host_tree.budget_tree
+    monkeypatch.setattr(block_module, "budget_tree", lambda *a: built.append(1) or original(*a))
+    vocab = drafter.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    rng = random.Random(2)
+    for case in range(60):
+        block_size = rng.choice([1, 2, 4])
+        lookup = rng.choice([0, 1, 3, 4])
+        state = block_module.BlockDrafter(drafter, target, block_size=block_size, context_lookup=lookup)
+        config = resolve_config("laspec", {"top_k": rng.choice([1, 2, 3, 4]), "n_max": rng.choice([1, 3, 6, 16, 40])},
+                                torch.device("cpu"))
+        strategy = LaSpecStrategy(config, 1, torch.device("cpu"))
+        scores = _scores(gen, block_size, vocab, kind)
+        # a committed row that repeats itself, behind left padding, with the sure tokens in it now and then
+        length, start = rng.randint(2, 40), rng.randint(0, 3)
+        ids = torch.zeros(1, 64, dtype=torch.long)
+        ids[0, start:start + length] = torch.randint(0, 6, (length,), generator=gen)
+        if kind == "sure" and rng.random() < 0.5:
+            ids[0, start + length - 1] = scores[0, 0].argmax()
+        state.root = ids[:, start + length - 1].clone()
+        context = (ids, torch.tensor([start + length]), torch.tensor([start]))
+        max_depth = rng.choice([0, 1, block_size, block_size + 3])
+        tensor_tree = _draw(state, strategy, scores, max_depth, context, host=False)
+        host = _draw(state, strategy, scores, max_depth, context, host=True)
+        for name in FIELDS:
+            a, b = getattr(tensor_tree, name), getattr(host, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(a, b), (case, name, a, b)
+        assert tensor_tree.num_levels == host.num_levels and host.draft_probs is None
+    assert len(built) > 30  # the host path ran (max_depth 0 keeps the tensor path)
+
+
+def test_latest_match_equals_context_lookup():
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    for _ in range(300):
+        length, start = rng.randint(1, 50), rng.randint(0, 4)
+        ids = torch.full((1, 60), 99, dtype=torch.long)
+        ids[0, start:start + length] = torch.randint(0, rng.choice([2, 4, 30]), (length,), generator=gen)
+        max_ngram, num_tokens = rng.randint(1, 5), rng.randint(1, 6)
+        tokens, valid, match = context_lookup(ids, torch.tensor([start + length]), torch.tensor([start]),
+                                              max_ngram, num_tokens)
+        chain, n = host_tree.latest_match(ids[0, start:start + length].tolist(), max_ngram, num_tokens)
+        assert n == int(match) and chain == tokens[0][valid[0]].tolist()
+
+
+def test_generate_builds_host_trees_and_stays_exact(monkeypatch):
+    """Batch 1 greedy laspec output == plain greedy, with every drafted round's tree built on the host; batch 2
+    keeps the tensor path."""
+    target = build_model("llama")
+    torch.manual_seed(3)
+    drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
+    built = []
+    original = host_tree.budget_tree
+    monkeypatch.setattr(block_module, "budget_tree", lambda *a: built.append(1) or original(*a))
+    for batch in (1, 2):
+        inputs = make_inputs("llama", batch_size=batch)
+        expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+        before = len(built)
+        out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                              spec_strategy="laspec", spec_config={"verify_cost": False}, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        if batch == 1:
+            assert len(built) - before >= out.spec_stats.rounds - 1 > 2  # all but a last, depth-cut round
+        else:
+            assert len(built) == before
