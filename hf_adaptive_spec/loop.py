@@ -201,7 +201,8 @@ def _speculative_decode(
     if block_drafter:
         drafter = BlockDrafter(assistant_model, model, block_size=getattr(config, "block_size", None),
                                num_visual_tokens=getattr(config, "num_visual_tokens", None),
-                               context_lookup=getattr(config, "context_lookup", 0))
+                               context_lookup=getattr(config, "context_lookup", 0),
+                               lookup_tokens=getattr(config, "lookup_tokens", None))
     with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext():
         outputs = model._prefill(input_ids, generation_config, prefill_kwargs)
     if cache.get_seq_length() != input_ids.shape[1]:

@@ -52,7 +52,8 @@ def test_host_tree_equals_tensor_tree(pair, kind, monkeypatch):
     for case in range(60):
         block_size = rng.choice([1, 2, 4])
         lookup = rng.choice([0, 1, 3, 4])
-        state = block_module.BlockDrafter(drafter, target, block_size=block_size, context_lookup=lookup)
+        state = block_module.BlockDrafter(drafter, target, block_size=block_size, context_lookup=lookup,
+                                          lookup_tokens=rng.choice([None, 2, 8]))
         config = resolve_config("laspec", {"top_k": rng.choice([1, 2, 3, 4]), "n_max": rng.choice([1, 3, 6, 16, 40])},
                                 torch.device("cpu"))
         strategy = LaSpecStrategy(config, 1, torch.device("cpu"))

@@ -157,11 +157,18 @@ def test_top_k_once_per_depth_builds_the_per_node_tree(strategy, draft_vocabular
     assert len(compared) >= 3 and max(compared) > 2  # real trees, over several rounds
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
-def test_lookup_branch_is_accepted_exactly_as_far_as_the_context_repeats(arch, monkeypatch):
+@pytest.mark.parametrize("arch,lookup_tokens", [("llama", 4), ("qwen2_vl", 4), ("llama", 8)])
+def test_lookup_branch_is_accepted_exactly_as_far_as_the_context_repeats(arch, lookup_tokens, monkeypatch):
     """With a drafter that is always wrong, every accepted token comes from the lookup branch: each round's
-    accepted length equals a brute-force replay of the lookup on the final sequence, and output stays exact."""
+    accepted length equals a brute-force replay of the lookup on the final sequence, and output stays exact.
+    With 8 lookup tokens the target is made a bigram model (attention and MLP outputs zeroed: the next token
+    depends on the current one only), so its greedy output cycles and chains longer than a block are accepted."""
     target = build_model(arch)
+    if lookup_tokens > 4:
+        with torch.no_grad():
+            for layer in target.get_decoder().layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
     inputs = make_inputs(arch, batch_size=1)
     prompt_length = inputs["input_ids"].shape[1]
     new = 60
@@ -169,12 +176,13 @@ def test_lookup_branch_is_accepted_exactly_as_far_as_the_context_repeats(arch, m
     _oracle(monkeypatch, expected[:, prompt_length:], corrupt_every=1)  # every drafted token wrong
     out = target.generate(**inputs, max_new_tokens=new, do_sample=False, assistant_model=_drafter(target),
                           spec_strategy="laspec", return_dict_in_generate=True,
-                          spec_config={"verify_cost": False, "top_k": 1, "context_lookup": 3})
+                          spec_config={"verify_cost": False, "top_k": 1, "context_lookup": 3,
+                                       "lookup_tokens": lookup_tokens})
     assert torch.equal(out.sequences, expected)
     sequence = expected[0].tolist()
     length, replayed = prompt_length + 1, []  # the prefill's token is the first root
     while length < len(sequence):
-        proposal, _ = _brute_force_lookup(sequence[:length], 3, 4)
+        proposal, _ = _brute_force_lookup(sequence[:length], 3, lookup_tokens)
         accepted = 0
         for offset, token in enumerate(proposal[: len(sequence) - length - 1]):  # the bonus needs the last slot
             if sequence[length + offset] != token:
@@ -184,6 +192,8 @@ def test_lookup_branch_is_accepted_exactly_as_far_as_the_context_repeats(arch, m
         length += accepted + 1
     assert out.spec_stats.accepted_lengths == replayed
     assert sum(replayed) > 0  # the sequence repeats somewhere, or the test would prove nothing
+    if lookup_tokens > 4:
+        assert max(replayed) > 4  # a chain longer than the block was accepted, or the setting is untested
 
 
 def _brute_force_lookup(row, max_ngram, num_tokens):
@@ -315,5 +325,7 @@ def test_laspec_drafter_for_another_vocabulary_is_refused():
 def test_laspec_config_validation():
     with pytest.raises(ValueError, match="top_k"):
         hf_adaptive_spec.LaSpecConfig(top_k=0).resolve(torch.device("cpu"))
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        hf_adaptive_spec.LaSpecConfig(lookup_tokens=0).resolve(torch.device("cpu"))
     resolved = hf_adaptive_spec.LaSpecConfig().resolve(torch.device("cpu"))
-    assert resolved.top_k == 2 and resolved.n_max == 16 and resolved.verify_cost
+    assert resolved.top_k == 2 and resolved.n_max == 16 and resolved.verify_cost and resolved.lookup_tokens == 8

