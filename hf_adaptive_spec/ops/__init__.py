@@ -1,10 +1,11 @@
 """Hot per-round tensor helpers, each with a torch reference and (where written) a Triton kernel.
 
 Dispatch: a Triton kernel runs when the inputs live on a CUDA device, triton
-imports, and a kernel exists for that op; everything else uses the torch
-reference in `reference.py`. `triton` is imported lazily, so a CPU-only
-install without triton imports and works. Tests force a backend with
-`use_backend("torch" | "triton")`.
+imports, and a kernel exists for that op; one CPU row (batch 1) of a tree op
+runs its host version in `host.py` (same results, without the op overhead of
+small tensors); everything else uses the torch reference in `reference.py`.
+`triton` is imported lazily, so a CPU-only install without triton imports and
+works. Tests force a backend with `use_backend("torch" | "triton")`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import warnings
 
 import torch
 
-from . import reference
+from . import host, reference
 
 __all__ = [
     "ancestor_matrix",
@@ -67,11 +68,13 @@ def use_backend(name: str):
 
 
 def _kernel_for(op_name: str, tensor: torch.Tensor | None):
-    """The Triton kernel to run for `op_name` on `tensor`, or None for the torch reference."""
+    """The Triton kernel (or host version) to run for `op_name` on `tensor`, or None for the torch reference."""
     backend = _BACKEND.get()
     if backend == "torch" or tensor is None:
         return None
     if backend == "auto" and not (tensor.is_cuda and triton_available()):
+        if op_name in host.__all__ and tensor.device.type == "cpu" and tensor.dim() >= 1 and tensor.shape[0] == 1:
+            return getattr(host, op_name)  # one CPU row: walking the tree in Python is ~10x faster
         return None
     if not triton_available():
         raise RuntimeError("The triton ops backend was forced but `triton` is not installed.")
