@@ -224,6 +224,8 @@ class BlockDrafter:
         so under greedy drafting its top-k is computed once per depth, over the draft vocabulary only.
         `context` `(ids (B, C), lengths (B,), start (B,))`: the committed rows, root included (see
         `lookup.context_lookup`); with `context_lookup` set, a greedy tree also gets the lookup chain.
+        At batch 1, greedy, without processors and for a budget strategy, both are built on the host
+        (`host_tree`: the same tree, without ~40 small tensor ops per level).
         """
         tree = self._draft_tree(strategy, process, max_depth, sample, generator)
         lookup = self.context_lookup and context is not None and not sample
