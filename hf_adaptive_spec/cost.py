@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from . import ops
+from .drafters.host_tree import float32
 from .ops import cpu_linear
 from .strategies.base import descending_rank
 
@@ -251,12 +252,15 @@ def verified_nodes(tree, target_choice: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def survival(tree, accept: torch.Tensor) -> torch.Tensor:
-    """`(B, N)` pi_i: product of the per-node acceptance `accept` `(B, N)` along each node's path (root = 1)."""
-    log_accept = torch.where(tree.valid, accept.clamp_min(1e-9).log(), 0.0)
-    log_accept[:, 0] = 0.0
-    ancestors, _ = ops.ancestor_matrix(tree.parents)
-    pi = torch.exp(torch.bmm(ancestors.float(), log_accept[..., None]).squeeze(-1))
-    return torch.where(tree.valid, pi, 0.0)
+    """`(B, N)` pi_i: product of the per-node acceptance `accept` `(B, N)` along each node's path (root = 1),
+    multiplied level by level (each node: its parent's pi times its own acceptance, in float32)."""
+    accept = torch.where(tree.valid, accept.float(), 0.0)
+    pi = accept.clone()
+    pi[:, 0] = 1.0
+    parents = tree.parents.clamp_min(0)
+    for level in range(1, tree.num_levels + 1):  # parents are final once their level is done
+        pi = torch.where(tree.valid & (tree.depths == level), pi.gather(1, parents) * accept, pi)
+    return pi
 
 
 def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,8 +269,10 @@ def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token)
     Args:
         pi (`torch.FloatTensor` of shape `(B, N)`): survival probability of each node (root first, pi = 1;
             padding 0). Along any path pi never grows, so the top-n set is closed under ancestors.
-        cost_table (`torch.FloatTensor` of shape `(M,)`): T(m) for m = 0 .. M - 1 tokens in one forward.
+        cost_table (`torch.Tensor` of shape `(M,)`): T(m) for m = 0 .. M - 1 tokens in one forward.
         seconds_per_token (`float` or 0-d tensor): t_token, the current cost of one generated token.
+
+    Gains and costs are summed and compared in float64 (`host_tree.choose_prefix` does the same in Python).
 
     Returns:
         `(keep, n)`: `keep` `(B, N)` bool (root always kept) and n (0-d tensor, no host sync), the number of
@@ -274,14 +280,32 @@ def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token)
     """
     batch, num_nodes = pi.shape
     draft = pi[:, 1:]
-    gain = draft.sort(dim=-1, descending=True).values.sum(0).cumsum(0)  # (N - 1,) summed pi of the n best
+    gain = draft.sort(dim=-1, descending=True).values.double().sum(0).cumsum(0)  # (N - 1,) summed pi of the n best
     gain = torch.cat([gain.new_zeros(1), gain])  # n = 0 .. N - 1
     sizes = torch.arange(1, num_nodes + 1, device=pi.device).clamp_max(cost_table.shape[0] - 1)
-    seconds_per_token = torch.as_tensor(seconds_per_token, dtype=torch.float32, device=pi.device)
-    value = gain - cost_table.to(pi.device)[sizes] / seconds_per_token.clamp_min(1e-9)
+    seconds_per_token = torch.as_tensor(seconds_per_token, device=pi.device).double()
+    value = gain - cost_table.to(pi.device, torch.float64)[sizes] / seconds_per_token.clamp_min(1e-9)
     n = value.argmax()
     kept = (descending_rank(draft) < n) & (draft > 0)
     return torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=pi.device), kept], dim=1), n
+
+
+def choose_prefix_host(pi: list[float], costs: list[float], seconds_per_token: float) -> tuple[list[bool], int]:
+    """`choose_prefix` for one row on the host: `pi` `[N]` (root first), `costs` `[M]` the scaled cost table,
+    `seconds_per_token` > 0; the same float64 sums and comparisons, ties to the lower index."""
+    draft = pi[1:]
+    order = sorted(range(len(draft)), key=lambda i: -draft[i])  # stable: ties keep index order
+    best_n, best_value, gain = 0, None, 0.0
+    for n in range(len(pi)):
+        if n:
+            gain += draft[order[n - 1]]
+        value = gain - costs[min(n + 1, len(costs) - 1)] / seconds_per_token
+        if best_value is None or value > best_value:
+            best_n, best_value = n, value
+    kept = [False] * len(draft)
+    for rank, node in enumerate(order[:best_n]):
+        kept[node] = draft[node] > 0
+    return [True] + kept, best_n
 
 
 @dataclass
@@ -329,7 +353,7 @@ class CostModel:
                  live_scale: bool | None = None, calibration: Calibration | None = None):
         self.profile = profile
         self._seconds = [profile.time(n) for n in range(max_tokens + 2)]  # host copy: no device read per round
-        self.table = torch.tensor(self._seconds, dtype=torch.float32, device=device)
+        self.table = torch.tensor(self._seconds, dtype=torch.float64, device=device)
         if calibration is None:
             calibration = Calibration.fresh(device)
         if calibration.profile is not profile:  # a scale is relative to the profile it was learned against
@@ -400,7 +424,10 @@ class CostModel:
         self.calibration.scale = value
 
     def prune(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(keep (B, N), n)` for `tree` (see `choose_prefix`)."""
+        """`(keep (B, N), n)` for `tree` (see `choose_prefix`); a host-built tree is priced on the host, with the
+        same float32 / float64 arithmetic."""
+        if tree.host is not None:
+            return self._prune_host(tree)
         accept = self.calibrator(tree.probs)
         if tree.lookup is not None:  # on the lookup chain: its own rate (or the drafter's, if higher, where both agree)
             agreed = tree.probs > 0
@@ -408,6 +435,26 @@ class CostModel:
             accept = torch.where(tree.lookup > 0, torch.where(agreed, torch.maximum(rate, accept), rate), accept)
         pi = survival(tree, accept)
         return choose_prefix(pi, self.table * self.scale, self.seconds_per_token)
+
+    def _prune_host(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
+        host = tree.host
+        calibrator, lookup = self.calibrator, self.lookup_calibrator
+        rates = (calibrator.accepted / calibrator.total).tolist()
+        bins = calibrator.num_bins
+        accept = [rates[min(max(int(float32(prob * bins)), 0), bins - 1)] for prob in host.probs]
+        if host.lookup is not None:
+            lookup_rates = (lookup.accepted / lookup.total).flatten().tolist()
+            for node, match in enumerate(host.lookup):
+                if match > 0:
+                    agreed = host.probs[node] > 0
+                    rate = lookup_rates[agreed * (lookup.max_match + 1) + min(match, lookup.max_match)]
+                    accept[node] = max(rate, accept[node]) if agreed else rate
+        pi = [1.0]
+        for node in range(1, len(host)):
+            pi.append(float32(pi[host.parents[node]] * accept[node]))
+        costs = [seconds * self.scale for seconds in self._seconds]
+        keep, n = choose_prefix_host(pi, costs, max(float(self.seconds_per_token), 1e-9))
+        return torch.tensor([keep], device=tree.tokens.device), torch.tensor(n, device=tree.tokens.device)
 
     def observe(self, tree, target_choice: torch.Tensor, round_seconds: float, tokens: torch.Tensor,
                 verify_seconds: float | None = None) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+from hf_adaptive_spec.cost import Calibration, CostModel, CostProfile
 from hf_adaptive_spec.drafters import block as block_module
 from hf_adaptive_spec.drafters import host_tree
 from hf_adaptive_spec.lookup import context_lookup
@@ -49,6 +50,7 @@ def test_host_tree_equals_tensor_tree(pair, kind, monkeypatch):
     vocab = drafter.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     rng = random.Random(2)
+    kept_nodes = []
     for case in range(60):
         block_size = rng.choice([1, 2, 4])
         lookup = rng.choice([0, 1, 3, 4])
@@ -64,6 +66,10 @@ def test_host_tree_equals_tensor_tree(pair, kind, monkeypatch):
         ids[0, start:start + length] = torch.randint(0, 6, (length,), generator=gen)
         if kind == "sure" and rng.random() < 0.5:
             ids[0, start + length - 1] = scores[0, 0].argmax()
+        if rng.random() < 0.5:  # the row repeats [root, the drafter's top tokens]: lookup nodes the drafter agrees with
+            period = torch.cat([scores[0].argmax(-1), ids[0, start + length - 1:start + length]])  # ends on the root
+            repeats = period.repeat(length // len(period) + 1)[-length:]
+            ids[0, start:start + length] = repeats
         state.root = ids[:, start + length - 1].clone()
         context = (ids, torch.tensor([start + length]), torch.tensor([start]))
         max_depth = rng.choice([0, 1, block_size, block_size + 3])
@@ -75,7 +81,33 @@ def test_host_tree_equals_tensor_tree(pair, kind, monkeypatch):
             if a is not None:
                 assert a.dtype == b.dtype and torch.equal(a, b), (case, name, a, b)
         assert tensor_tree.num_levels == host.num_levels and host.draft_probs is None
+        # the cost rule and the subset it keeps: host lists == tensors, with random calibration and costs
+        cost = _random_cost_model(rng, gen)
+        (keep_a, n_a), (keep_b, n_b) = cost.prune(tensor_tree), cost.prune(host)
+        assert torch.equal(keep_a, keep_b) and int(n_a) == int(n_b), (case, keep_a, keep_b)
+        kept_nodes.append(int(n_a))
+        small_a, small_b = tensor_tree.subset(keep_a), host.subset(keep_b)
+        assert (small_b.host is not None) == (host.host is not None)
+        for name in FIELDS:
+            a, b = getattr(small_a, name), getattr(small_b, name)
+            assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b))), name
+        assert small_a.num_levels == small_b.num_levels
     assert len(built) > 30  # the host path ran (max_depth 0 keeps the tensor path)
+    assert 0 < max(kept_nodes) and min(kept_nodes) < max(kept_nodes)  # the rule kept some nodes, and not always as many
+
+
+def _random_cost_model(rng, gen):
+    sizes = [1, 2, 4, 8, 16]
+    seconds = sorted(rng.uniform(0.02, 0.2) for _ in sizes)
+    calibration = Calibration.fresh()
+    calibration.acceptance.accepted = torch.rand(20, generator=gen) * 5
+    calibration.acceptance.total = calibration.acceptance.accepted + torch.rand(20, generator=gen) * 5 + 0.1
+    calibration.lookup.accepted = torch.rand(2, 9, generator=gen) * 5
+    calibration.lookup.total = calibration.lookup.accepted + torch.rand(2, 9, generator=gen) * 5 + 0.1
+    cost = CostModel(CostProfile(sizes=sizes, seconds=seconds), max_tokens=64, device="cpu", calibration=calibration)
+    cost.scale = rng.uniform(0.5, 2.0)
+    cost.seconds_per_token = torch.tensor(rng.uniform(0.01, 0.2))
+    return cost
 
 
 def test_latest_match_equals_context_lookup():

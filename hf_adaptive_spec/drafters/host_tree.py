@@ -18,12 +18,12 @@ import torch
 
 from ..tree import DraftTree
 
-__all__ = ["HostTree", "budget_tree", "latest_match"]
+__all__ = ["HostTree", "budget_tree", "float32", "latest_match"]
 
 _FLOAT32 = struct.Struct("f")
 
 
-def _f32(value: float) -> float:
+def float32(value: float) -> float:
     """`value` rounded to float32 (a product of two float32 values is exact in a double, so rounding it once
     gives the float32 product)."""
     return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
@@ -68,6 +68,20 @@ class HostTree:
                 self.lookup[child] = match
             current = child
 
+    def subset(self, keep: list[bool]) -> "HostTree":
+        """The tree of the kept nodes (closed under ancestors, root kept), order preserved (`DraftTree.subset`)."""
+        nodes = [node for node, kept in enumerate(keep) if kept]
+        position = {node: index for index, node in enumerate(nodes)}
+        out = HostTree(self.tokens[0])
+        out.tokens = [self.tokens[node] for node in nodes]
+        out.parents = [position[self.parents[node]] if self.parents[node] >= 0 else -1 for node in nodes]
+        out.probs = [self.probs[node] for node in nodes]
+        out.cum_probs = [self.cum_probs[node] for node in nodes]
+        out.depths = [self.depths[node] for node in nodes]
+        out.lookup = None if self.lookup is None else [self.lookup[node] for node in nodes]
+        out.num_levels = max(out.depths, default=0)
+        return out
+
     def to_draft_tree(self, device) -> DraftTree:
         def column(values, dtype):
             return torch.tensor([values], dtype=dtype, device=device)
@@ -83,6 +97,7 @@ class HostTree:
             drafter_slot=torch.full((1, count), -1, dtype=torch.long, device=device),
             num_levels=self.num_levels,
             lookup=None if self.lookup is None else column(self.lookup, torch.long),
+            host=self,
         )
 
 
@@ -106,7 +121,7 @@ def budget_tree(root: int, probs: list[list[float]], tokens: list[list[int]], bu
         if left <= 0 or not candidates:
             break
         if len(candidates) > left:
-            cum = [_f32(parent_cum * prob) for parent_cum, _, prob, _ in candidates]
+            cum = [float32(parent_cum * prob) for parent_cum, _, prob, _ in candidates]
             best = sorted(range(len(candidates)), key=lambda i: -cum[i])[:left]  # stable: ties keep order
             keep = sorted(best)
         else:
@@ -114,7 +129,7 @@ def budget_tree(root: int, probs: list[list[float]], tokens: list[list[int]], bu
         frontier = []
         for i in keep:
             parent_cum, parent, prob, token = candidates[i]
-            frontier.append(tree.append(token, parent, prob, _f32(parent_cum * prob), level))
+            frontier.append(tree.append(token, parent, prob, float32(parent_cum * prob), level))
         tree.num_levels = level
         left -= len(frontier)
     return tree
