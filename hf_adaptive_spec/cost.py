@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 
-from . import ops
 from .drafters.host_tree import float32
 from .ops import cpu_linear
 from .strategies.base import descending_rank
@@ -272,7 +271,7 @@ def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token)
         cost_table (`torch.Tensor` of shape `(M,)`): T(m) for m = 0 .. M - 1 tokens in one forward.
         seconds_per_token (`float` or 0-d tensor): t_token, the current cost of one generated token.
 
-    Gains and costs are summed and compared in float64 (`host_tree.choose_prefix` does the same in Python).
+    Gains and costs are summed and compared in float64 (`choose_prefix_host` does the same in Python).
 
     Returns:
         `(keep, n)`: `keep` `(B, N)` bool (root always kept) and n (0-d tensor, no host sync), the number of
@@ -303,7 +302,7 @@ def choose_prefix_host(pi: list[float], costs: list[float], seconds_per_token: f
         if best_value is None or value > best_value:
             best_n, best_value = n, value
     kept = [False] * len(draft)
-    for rank, node in enumerate(order[:best_n]):
+    for node in order[:best_n]:
         kept[node] = draft[node] > 0
     return [True] + kept, best_n
 
