@@ -7,7 +7,9 @@ of highest path probability until `n_max` nodes are taken. The generic path (`le
 a tree of 16 nodes; here it is a few dozen Python comparisons over the `(depth, k)` candidates, and the
 context-lookup chain is found and merged on the same lists. The result is the same `DraftTree`, field for
 field (path probabilities are rounded to float32 after every product, as the tensors are):
-`tests/test_host_tree.py` compares both paths on random, tied and truncated cases.
+`tests/test_host_tree.py` compares both paths on random, tied and truncated cases. The `DraftTree` keeps
+its `HostTree` (`DraftTree.host`), so the cost rule prices and cuts the same lists (`CostModel.prune`,
+`HostTree.subset`).
 """
 
 from __future__ import annotations
