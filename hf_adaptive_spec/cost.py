@@ -423,37 +423,32 @@ class CostModel:
         self.calibration.scale = value
 
     def prune(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(keep (B, N), n)` for `tree` (see `choose_prefix`); a host-built tree is priced on the host, with the
-        same float32 / float64 arithmetic."""
+        """`(keep (B, N), n)` for `tree` (see `choose_prefix`); for a host-built tree the survival products and the
+        choice run on its lists, with the same float32 / float64 arithmetic."""
+        accept = self.acceptance(tree)
         if tree.host is not None:
-            return self._prune_host(tree)
-        accept = self.calibrator(tree.probs)
-        if tree.lookup is not None:  # on the lookup chain: its own rate (or the drafter's, if higher, where both agree)
-            agreed = tree.probs > 0
-            rate = self.lookup_calibrator(tree.lookup, agreed)
-            accept = torch.where(tree.lookup > 0, torch.where(agreed, torch.maximum(rate, accept), rate), accept)
+            return self._prune_host(tree.host, accept[0].tolist(), tree.tokens.device)
         pi = survival(tree, accept)
         return choose_prefix(pi, self.table * self.scale, self.seconds_per_token)
 
-    def _prune_host(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
-        host = tree.host
-        calibrator, lookup = self.calibrator, self.lookup_calibrator
-        rates = (calibrator.accepted / calibrator.total).tolist()
-        bins = calibrator.num_bins
-        accept = [rates[min(max(int(float32(prob * bins)), 0), bins - 1)] for prob in host.probs]
-        if host.lookup is not None:
-            lookup_rates = (lookup.accepted / lookup.total).flatten().tolist()
-            for node, match in enumerate(host.lookup):
-                if match > 0:
-                    agreed = host.probs[node] > 0
-                    rate = lookup_rates[agreed * (lookup.max_match + 1) + min(match, lookup.max_match)]
-                    accept[node] = max(rate, accept[node]) if agreed else rate
+    def acceptance(self, tree) -> torch.Tensor:
+        """`(B, N)` each node's calibrated chance of acceptance given its parent: the drafter's calibrated
+        probability, or on the lookup chain its own rate (the higher of both where the drafter agrees)."""
+        accept = self.calibrator(tree.probs)
+        if tree.lookup is not None:
+            agreed = tree.probs > 0
+            rate = self.lookup_calibrator(tree.lookup, agreed)
+            accept = torch.where(tree.lookup > 0, torch.where(agreed, torch.maximum(rate, accept), rate), accept)
+        return accept
+
+    def _prune_host(self, host, accept: list[float], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`survival` and `choose_prefix` on a host tree's lists (same float32 products, float64 sums)."""
         pi = [1.0]
         for node in range(1, len(host)):
             pi.append(float32(pi[host.parents[node]] * accept[node]))
-        costs = [seconds * self.scale for seconds in self._seconds]
+        costs = [seconds * self.scale for seconds in self._seconds[: len(host) + 1]]  # T(n + 1) for n < N
         keep, n = choose_prefix_host(pi, costs, max(float(self.seconds_per_token), 1e-9))
-        return torch.tensor([keep], device=tree.tokens.device), torch.tensor(n, device=tree.tokens.device)
+        return torch.tensor([keep], device=device), torch.tensor(n, device=device)
 
     def observe(self, tree, target_choice: torch.Tensor, round_seconds: float, tokens: torch.Tensor,
                 verify_seconds: float | None = None) -> None:

@@ -124,23 +124,30 @@ def test_latest_match_equals_context_lookup():
         assert n == int(match) and chain == tokens[0][valid[0]].tolist()
 
 
-def test_generate_builds_host_trees_and_stays_exact(monkeypatch):
-    """Batch 1 greedy laspec output == plain greedy, with every drafted round's tree built on the host; batch 2
-    keeps the tensor path."""
+@pytest.mark.parametrize("verify_cost", [False, True])
+def test_generate_builds_host_trees_and_stays_exact(verify_cost, monkeypatch):
+    """Batch 1 greedy laspec output == plain greedy, with every drafted round's tree built (and, with the cost
+    rule, priced) on the host; batch 2 keeps the tensor path."""
     target = build_model("llama")
     torch.manual_seed(3)
     drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
     built = []
     original = host_tree.budget_tree
     monkeypatch.setattr(block_module, "budget_tree", lambda *a: built.append(1) or original(*a))
+    priced = []
+    original_prune = CostModel._prune_host
+    monkeypatch.setattr(CostModel, "_prune_host", lambda self, *a: priced.append(1) or original_prune(self, *a))
     for batch in (1, 2):
         inputs = make_inputs("llama", batch_size=batch)
         expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
         before = len(built)
         out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
-                              spec_strategy="laspec", spec_config={"verify_cost": False}, return_dict_in_generate=True)
+                              spec_strategy="laspec", spec_config={"verify_cost": verify_cost},
+                              return_dict_in_generate=True)
         assert torch.equal(out.sequences, expected)
+        drafted = out.spec_stats.rounds - out.spec_stats.paused_rounds
         if batch == 1:
-            assert len(built) - before >= out.spec_stats.rounds - 1 > 2  # all but a last, depth-cut round
+            assert len(built) - before >= drafted - 1 > 2  # all but a last, depth-cut round
+            assert len(priced) == (len(built) if verify_cost else 0)
         else:
-            assert len(built) == before
+            assert len(built) == before and len(priced) == (len(built) if verify_cost else 0)
