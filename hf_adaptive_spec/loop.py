@@ -224,8 +224,10 @@ def _speculative_decode(
     first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
 
     if device.type == "cpu":  # measured on CPUs only (no GPU figures yet): both change float rounding, not math
-        # verification and drafting run a few rows per linear layer: the small-batch kernel
-        after_prefill.enter_context(cpu_linear.fast_linears(model, assistant_model))
+        # verification and drafting run a few rows per linear layer: the small-batch kernel; a LaSpec drafter
+        # reads bf16 copies of its weights (drafts only: the target still decides every token)
+        compact = (assistant_model,) if block_drafter else ()
+        after_prefill.enter_context(cpu_linear.fast_linears(model, assistant_model, compact=compact))
         for verifier in (model, None if block_drafter else assistant_model):  # tree forwards: GQA without repeat_kv
             after_prefill.enter_context(tree_attention(verifier))
 

@@ -159,3 +159,112 @@ def test_speculative_output_with_the_kernel_equals_plain(arch, strategy, calls):
         assert (calls() > before) == mode  # the rounds ran through the kernel only when it was on
     assert not any("forward" in m.__dict__ for m in target.modules())
     assert not any("forward" in m.__dict__ for m in drafter.modules())
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_bf16_weights_give_the_fp32_kernels_result_for_bf16_exact_values(build):
+    """Each bf16 weight is widened to fp32 in registers and summed in the same order: a weight that is a bf16
+    value gives bitwise the fp32 kernel's output (from half the bytes), ragged tails included."""
+    if build == "avx2" and cpu_linear._isa() != "avx512":
+        pytest.skip("this CPU runs the AVX2 build already")
+    extension = cpu_linear._extension() if build == "native" else cpu_linear._build("avx2")
+    torch.manual_seed(1)
+    for rows, in_features, out_features in [(1, 5, 3), (2, 16, 4), (3, 37, 9), (4, 576, 130), (5, 100, 7),
+                                            (24, 33, 6)]:
+        x = torch.randn(rows, in_features)
+        weight = torch.randn(out_features, in_features).bfloat16()
+        exact = weight.float()
+        got = extension.small_linear(x, weight)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, extension.small_linear(x, exact))
+        torch.testing.assert_close(got, F.linear(x, exact), rtol=1e-5, atol=1e-6 * in_features)
+        bias = torch.randn(out_features)
+        with_compact = extension.linear(x, exact, bias, 1, 24, weight)
+        assert torch.equal(with_compact, extension.linear(x, exact, bias, 1, 24))
+        wrong_shape = torch.randn(out_features + 1, in_features).bfloat16()  # not a copy of w: w is read
+        assert torch.equal(extension.linear(x, exact, bias, 1, 24, wrong_shape), extension.linear(x, exact, bias, 1, 24))
+
+
+@needs_kernel
+def test_compact_drafter_layers_read_bf16_copies_and_only_there(calls):
+    """`fast_linears(..., compact=[drafter])`: the drafter's layers read bf16 copies for 1..max_rows rows
+    (bitwise the fp32 result when the weights are bf16 values, rounded otherwise); other models keep the
+    fp32 weights and send one row to torch; nothing outlives the block but the cached copies."""
+    torch.manual_seed(0)
+    target, drafter = nn.Linear(16, 8), nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+    with torch.no_grad():
+        drafter[0].weight.copy_(drafter[0].weight.bfloat16().float())  # bf16-exact, like a bf16 checkpoint
+    for rows in (1, 3):
+        x = torch.randn(rows, 16)
+        with torch.no_grad():
+            with cpu_linear.fast_linears(target, compact=[drafter]):
+                before = calls()
+                got_target, got_first, got_drafter = target(x), drafter[0](x), drafter(x)
+                ran = calls() - before
+                with cpu_linear.use_compact_weights(False):  # read at entry: this block still compacts
+                    assert torch.equal(drafter[0](x), got_first)
+            with cpu_linear.use_compact_weights(False), cpu_linear.fast_linears(target, compact=[drafter]):
+                fp32_first, fp32_drafter = drafter[0](x), drafter(x)
+        assert ran == (3 if rows == 1 else 4)  # one row: the target's layer goes to torch, the drafter's do not
+        assert torch.equal(got_target, F.linear(x, target.weight, target.bias)) or rows > 1
+        torch.testing.assert_close(got_target, F.linear(x, target.weight, target.bias), rtol=1e-5, atol=1e-5)
+        if rows > 1:
+            assert torch.equal(got_first, fp32_first)  # bf16-exact weights: bitwise the fp32 kernel
+        torch.testing.assert_close(got_first, F.linear(x, drafter[0].weight, drafter[0].bias), rtol=1e-5, atol=1e-5)
+        # the second layer's weights are not bf16 values: rounded, so close but not the fp32 result
+        torch.testing.assert_close(got_drafter, fp32_drafter, rtol=2e-2, atol=2e-2)
+        assert not torch.equal(got_drafter, fp32_drafter)
+    assert not any("forward" in m.__dict__ for m in [target, *drafter.modules()])
+    copy = drafter[1].__dict__[cpu_linear._COMPACT_KEY][1]
+    assert copy.dtype == torch.bfloat16 and torch.equal(copy, drafter[1].weight.detach().bfloat16())
+    with torch.no_grad():
+        drafter[1].weight.mul_(2)  # a changed weight gets a new copy
+        with cpu_linear.fast_linears(compact=[drafter]):
+            drafter(torch.randn(2, 16))
+    assert torch.equal(drafter[1].__dict__[cpu_linear._COMPACT_KEY][1], drafter[1].weight.detach().bfloat16())
+    with pytest.raises(ValueError, match="True or False"):
+        cpu_linear.use_compact_weights("yes")
+
+
+@needs_kernel
+def test_the_laspec_draft_head_reads_a_bf16_copy_inside_the_loop_only(calls):
+    target = build_model("llama", hidden_size=64)
+    drafter = _laspec_drafter(target).attach_target(target)
+    drafter.set_draft_vocabulary(torch.arange(0, target.config.vocab_size, 3))
+    hidden = torch.randn(4, 64)
+    with torch.no_grad():
+        reference = drafter.draft_vocab_logits(hidden)  # outside the loop: F.linear over the fp32 rows
+        rows = target.lm_head.weight[drafter.draft_vocab]
+        assert torch.equal(reference, F.linear(hidden, rows))
+        with cpu_linear.fast_linears(target, drafter):  # not compact: the fp32 rows
+            assert torch.equal(drafter.draft_vocab_logits(hidden), cpu_linear.linear(hidden, rows))
+        before = calls()
+        with cpu_linear.fast_linears(target, compact=[drafter]):
+            compact = drafter.draft_vocab_logits(hidden)
+        assert calls() - before == 1
+        torch.testing.assert_close(compact, F.linear(hidden, rows.bfloat16().float()), rtol=1e-5, atol=1e-5)
+        assert not torch.equal(compact, reference)  # the rows were rounded to bf16 for drafting
+
+
+@needs_kernel
+def test_generate_compacts_a_laspec_drafter_and_still_equals_plain(monkeypatch):
+    target = build_model("llama", hidden_size=64)
+    inputs = make_inputs("llama", batch_size=1)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    drafter = _laspec_drafter(target)
+    copies = []
+    original = cpu_linear._compact_copy
+    monkeypatch.setattr(cpu_linear, "_compact_copy", lambda w, holder: copies.append(w.shape) or original(w, holder))
+    for compact in (True, False):
+        copies.clear()
+        with cpu_linear.use_compact_weights(compact):
+            out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                                  spec_strategy="laspec", return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert bool(copies) == compact
+        if compact:  # the drafter's own layers, never one of the target's
+            assert any(cpu_linear._COMPACT_KEY in m.__dict__ for m in drafter.modules())
+            assert not any(cpu_linear._COMPACT_KEY in m.__dict__ for m in target.modules())
+        for m in drafter.modules():
+            m.__dict__.pop(cpu_linear._COMPACT_KEY, None)

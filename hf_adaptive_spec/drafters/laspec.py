@@ -592,10 +592,11 @@ class LaSpecDrafterModel(PreTrainedModel):
         if cached is None or cached[0] != key:
             rows = weight.detach()[self.draft_vocab]
             bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()[self.draft_vocab]
-            cached = (key, rows, bias)
+            cached = (key, rows, bias, {})  # {}: the bf16 copy the decoding loop's CPU kernel may read
             self.__dict__["_draft_head"] = cached
-        _, rows, bias = cached
-        return cpu_linear.linear(hidden.to(rows.dtype), rows, bias)  # F.linear outside the decoding loop
+        _, rows, bias, compact = cached
+        # F.linear outside the decoding loop; inside it on a CPU, the small-batch kernel over a bf16 copy
+        return cpu_linear.compact_linear(hidden.to(rows.dtype), rows, bias, compact, self)
 
     def draft_vocab_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Each token's index in the draft vocabulary, -1 for tokens outside it (same shape as `token_ids`;

@@ -12,8 +12,14 @@ Use:
 - `linear(x, weight, bias)`: the kernel for fp32 CPU inputs with 2..`max_rows()` rows (24 with AVX-512, 12
   with AVX2) while `enabled()`, else `torch.nn.functional.linear`. One row (a plain decoding step) always
   goes to torch, so root-only rounds run exactly what plain decoding runs.
-- `fast_linears(*models)`: a context in which those models' `nn.Linear` layers call `linear` (the
+- `fast_linears(*models, compact=())`: a context in which those models' `nn.Linear` layers call `linear` (the
   speculative loop wraps its rounds in it; the prefill stays stock).
+- Compact drafter weights: a drafter only proposes tokens (the target decides each one), and a drafter
+  forward on a CPU is bound by reading its weights. The layers of the models passed as `compact` (the loop
+  passes a LaSpec drafter) read a bf16 copy of each fp32 weight, widened to fp32 in registers, for 1..
+  `max_rows()` rows: half the bytes. A weight that is exactly a bf16 value (a drafter loaded from a bf16
+  checkpoint) gives bitwise the fp32 kernel's result; others (the LaSpec draft head: rows of the target's
+  LM head) are rounded to bf16 for drafting only. `use_compact_weights(False)` reads the fp32 weights.
 - Control: `HF_ADAPTIVE_SPEC_CPU_KERNELS=0` (off), `auto` (default: on where torch runs AVX-512 or AVX2
   kernels and the kernel builds), `1` (required: an error if it cannot be used); `use_cpu_kernels(False)`.
 
@@ -39,7 +45,8 @@ from torch import nn
 
 from . import scoped
 
-__all__ = ["linear", "fast_linears", "active", "enabled", "available", "use_cpu_kernels", "MIN_ROWS", "max_rows"]
+__all__ = ["linear", "fast_linears", "active", "enabled", "available", "use_cpu_kernels", "use_compact_weights",
+           "compact_linear", "MIN_ROWS", "max_rows"]
 
 MIN_ROWS = 2  # one row is a plain decoding step: torch's gemv, exactly as plain generate
 # most rows per call, by build (SmolLM2's shapes, 2 cores): AVX-512 24 rows 56 vs 77 ms with MKL, 32 rows 78 vs
@@ -52,6 +59,9 @@ _FLAGS = ["-O3", "-fopenmp"]
 _MODES = ("auto", "0", "1")
 _MODE = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels", default=None)
 _ACTIVE = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels_active", default=False)
+_COMPACT = contextvars.ContextVar("hf_adaptive_spec_cpu_compact_weights", default=True)
+_COMPACT_MODELS = contextvars.ContextVar("hf_adaptive_spec_cpu_compact_models", default=frozenset())
+_COMPACT_KEY = "_hf_adaptive_spec_bf16_weight"  # where a layer (or a holder dict) keeps its bf16 copy
 
 
 def _mode() -> str:
@@ -70,6 +80,14 @@ def use_cpu_kernels(on: bool | str):
     if mode not in _MODES:
         raise ValueError(f"use_cpu_kernels takes True, False or 'auto', got {on!r}.")
     return scoped(_MODE, mode)
+
+
+def use_compact_weights(on: bool):
+    """Inside a `with` block, let drafters' layers read bf16 copies of their weights (True, the default) or
+    their fp32 weights (False). The output tokens are the same either way; only the drafts may differ."""
+    if not isinstance(on, bool):
+        raise ValueError(f"use_compact_weights takes True or False, got {on!r}.")
+    return scoped(_COMPACT, on)
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,19 +192,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _extension().linear(x, weight, bias, MIN_ROWS, max_rows())
 
 
-def _routed_forward(module: nn.Linear, kernel_linear, most_rows: int):
-    """`module.forward` through the compiled dispatcher (checks and fallback in C++), bound by fast_linears."""
-    def forward(input):
-        return kernel_linear(input, module.weight, module.bias, MIN_ROWS, most_rows)
+def _compact_copy(weight: torch.Tensor, holder: dict) -> torch.Tensor:
+    """The bf16 copy of `weight` kept in `holder`, made again when the weight changed (storage or version)."""
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    cached = holder.get(_COMPACT_KEY)
+    if cached is None or cached[0] != key:
+        cached = (key, weight.detach().to(torch.bfloat16).contiguous())
+        holder[_COMPACT_KEY] = cached
+    return cached[1]
+
+
+def compact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, holder: dict,
+                   owner: nn.Module) -> torch.Tensor:
+    """`linear` for a weight of the drafter `owner` that is not an `nn.Linear` (the LaSpec draft head): inside
+    `fast_linears(..., compact=[owner, ...])`, fp32 CPU inputs of 1..`max_rows()` rows read a bf16 copy of
+    `weight` (kept in `holder`, a dict the caller owns); otherwise exactly `linear(x, weight, bias)`."""
+    if (id(owner) not in _COMPACT_MODELS.get() or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or not weight.is_contiguous()):
+        return linear(x, weight, bias)
+    return _extension().linear(x, weight, bias, 1, max_rows(), _compact_copy(weight, holder))
+
+
+def _routed_forward(module: nn.Linear, kernel_linear, most_rows: int, compact: bool):
+    """`module.forward` through the compiled dispatcher (checks and fallback in C++), bound by fast_linears;
+    a `compact` layer reads its bf16 copy (kept in the module's `__dict__`) for 1..most_rows rows."""
+    if compact:
+        def forward(input):
+            return kernel_linear(input, module.weight, module.bias, 1, most_rows,
+                                 _compact_copy(module.weight, module.__dict__))
+    else:
+        def forward(input):
+            return kernel_linear(input, module.weight, module.bias, MIN_ROWS, most_rows)
 
     return forward
 
 
 @contextlib.contextmanager
-def fast_linears(*models):
+def fast_linears(*models, compact=()):
     """Route the `nn.Linear` layers of `models` (fp32, on the CPU) to `linear` inside the block.
 
-    Layers whose `forward` is already replaced on the instance (accelerate's offload hooks, another wrapper)
+    The layers of the models in `compact` (drafters only: never a target) read bf16 copies of their weights
+    for 1..`max_rows()` rows while `use_compact_weights` is on (see the module docstring). Layers whose `forward` is already replaced on the instance (accelerate's offload hooks, another wrapper)
     and subclasses of `nn.Linear` (quantized or adapter layers) are left alone. Does nothing when
     `enabled()` is False. The layers themselves are patched, so another thread running the same model inside
     the block gets the kernel too (float rounding differs, nothing else).
@@ -196,8 +242,9 @@ def fast_linears(*models):
         return
     patched = []
     kernel_linear, most_rows = _extension().linear, max_rows()
+    compact_ids = {id(model) for model in compact if model is not None} if _COMPACT.get() else set()
     try:
-        for model in models:
+        for model in (*models, *compact):
             if model is None:
                 continue
             for module in model.modules():
@@ -206,12 +253,13 @@ def fast_linears(*models):
                 weight = module.weight
                 if weight.device.type != "cpu" or weight.dtype != torch.float32:
                     continue
-                module.forward = _routed_forward(module, kernel_linear, most_rows)
+                module.forward = _routed_forward(module, kernel_linear, most_rows, id(model) in compact_ids)
                 patched.append(module)
-        token = _ACTIVE.set(True)
+        token, compact_token = _ACTIVE.set(True), _COMPACT_MODELS.set(frozenset(compact_ids))
         try:
             yield True
         finally:
+            _COMPACT_MODELS.reset(compact_token)
             _ACTIVE.reset(token)
     finally:
         for module in patched:
