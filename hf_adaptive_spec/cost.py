@@ -90,7 +90,7 @@ class CostProfile:
         return asdict(self)
 
 
-def _profile_key(model, batch_size: int) -> str:
+def _profile_key(model, batch_size: int, lean: bool = False) -> str:
     device = model.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -98,6 +98,7 @@ def _profile_key(model, batch_size: int) -> str:
     shape = f"{config.hidden_size}x{config.num_hidden_layers}"
     attn = getattr(model.config, "_attn_implementation", "")
     kernels = "|cpu-small-linear" if cpu_linear.active() else ""  # another cost curve
+    kernels += "|lean" if lean else ""  # so is the lean forward's (less Python per forward)
     return (f"{type(model).__name__}|{name}|{shape}|{model.dtype}|{device_name}|{attn}|batch{batch_size}|"
             f"threads{torch.get_num_threads()}{kernels}")
 
@@ -152,7 +153,7 @@ def verifier_cost_profile(runner, sizes=DEFAULT_SIZES, repeats: int = 3, use_dis
 
     Set `HF_ADAPTIVE_SPEC_COST_REFRESH=1` to measure again.
     """
-    key = _profile_key(runner.model, runner.slot_valid.shape[0])
+    key = _profile_key(runner.model, runner.slot_valid.shape[0], runner.lean)
     refresh = os.environ.get("HF_ADAPTIVE_SPEC_COST_REFRESH") == "1"
     if key in _MEMORY and not refresh:
         return _MEMORY[key]

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from . import ops
 from .compat import cache_argument
+from .lean import lean_forward
 
 
 class ModelRunner:
@@ -47,7 +48,13 @@ class ModelRunner:
         self.dtype = model.dtype
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_argument = cache_argument(model)
+        self._lean = lean_forward(model)  # the same operations without transformers' Python, where supported
         self.model_time = 0.0  # seconds inside the model's forward, for the time split
+
+    @property
+    def lean(self) -> bool:
+        """Whether this runner's forwards run `lean.LeanForward` (on the CPU; a cost curve of its own)."""
+        return self._lean is not None and self._lean.applies(self.slot_valid)
 
     @property
     def committed_length(self) -> int:
@@ -94,15 +101,20 @@ class ModelRunner:
             kwargs["logits_to_keep"] = logits_to_keep
         position_ids = self.position_ids(depths[:, tail:])
         start = time.perf_counter()
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,  # (B, 1, M, S + T)
-            position_ids=position_ids,
-            use_cache=True,
-            return_dict=True,
-            **{self._cache_argument: self.cache},
-            **kwargs,
-        )
+        lean = self._lean is not None and self._lean.applies(input_ids) and set(model_kwargs) <= {"output_hidden_states"}
+        if lean:
+            output = self._lean(input_ids, mask, position_ids, self.cache, logits_to_keep=logits_to_keep,
+                                output_hidden_states=bool(model_kwargs.get("output_hidden_states")))
+        else:
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,  # (B, 1, M, S + T)
+                position_ids=position_ids,
+                use_cache=True,
+                return_dict=True,
+                **{self._cache_argument: self.cache},
+                **kwargs,
+            )
         self.model_time += time.perf_counter() - start
         return output
 

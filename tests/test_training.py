@@ -763,6 +763,9 @@ def test_vlm_examples_reproduce_every_round_of_the_loop(arch, monkeypatch):
     """For each round of `generate(spec_strategy="laspec")` on a VLM with an image, the training forward at that
     anchor (recorded context, per-anchor visual selection) gives the same block logits as the loop's drafter."""
     target, inputs, drafter, block_module = _vision_setup(arch)
+    with torch.no_grad():  # bf16 values, like a bf16 checkpoint: the loop's bf16 weight copies are then exact
+        for parameter in drafter.parameters():
+            parameter.copy_(parameter.bfloat16().float())
     rounds = []
     original = block_module.BlockDrafter.block_scores
 

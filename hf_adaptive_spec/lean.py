@@ -1,0 +1,182 @@
+"""A lean forward for Llama-style text decoders: transformers' operations, without its per-module Python.
+
+Why: a verification forward of SmolLM2-135M on 2 CPU cores took ~55-65 ms, of which ~9 ms was transformers'
+Python around the tensor operations (module calls, keyword plumbing and decorators per layer, output
+recording), measured by running the same operations without it. Plain decoding pays that too; the
+speculative loop runs one target forward per round, so it is ~15% of every round.
+
+What: `lean_forward(model)` returns a callable that runs the model's own modules through the same torch
+operations in the same order as `model(...)` does: the embedding module, the rotary module, the RMSNorm
+formula, each projection's own `forward` (so `ops.cpu_linear.fast_linears` still applies), rotary embedding,
+the cache layer's `update`, the configured attention function with the same arguments, the MLP's activation,
+the final norm and the LM head. Its logits, hidden states and cache contents are bitwise those of
+`model(...)` (tested on Llama and Qwen2, with and without the CPU kernels).
+
+Only for what that has been checked on: `LlamaForCausalLM` and `Qwen2ForCausalLM` with full attention in
+every layer, in eval mode, on a CPU (the only device it has been measured on), with "sdpa", "eager" or the
+tree sdpa, and with no hooks (but transformers' own output recorders) or replaced `forward` on any module
+but plain `nn.Linear` layers. Anything
+else gets None and the caller runs the model as before; `use_lean_forward(False)` forces that too.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .attention import TREE_SDPA
+from .ops import scoped
+
+__all__ = ["lean_forward", "use_lean_forward", "LeanForward"]
+
+_ON = contextvars.ContextVar("hf_adaptive_spec_lean_forward", default=True)
+_ATTENTION = ("sdpa", "eager", TREE_SDPA)
+# model class -> (decoder layer class, RMSNorm class), by name within its own transformers module
+_SUPPORTED = {
+    "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaRMSNorm"),
+    "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2RMSNorm"),
+}
+
+
+def use_lean_forward(on: bool):
+    """Inside a `with` block, allow (True, the default) or forbid (False) the lean forward."""
+    if not isinstance(on, bool):
+        raise ValueError(f"use_lean_forward takes True or False, got {on!r}.")
+    return scoped(_ON, on)
+
+
+def _foreign(hook) -> bool:
+    """False for transformers' own output-recording hooks (they record only inside its forward, which
+    the lean forward replaces whole), True for any other hook."""
+    return getattr(hook, "__module__", None) != "transformers.utils.output_capturing"
+
+
+def _own(function, modeling, cls) -> bool:
+    """Whether `function` is `cls`'s own method as its modeling file defines it (not a swapped-in kernel)."""
+    return (getattr(function, "__module__", None) == modeling.__name__
+            and getattr(function, "__qualname__", None) == f"{cls.__name__}.forward")
+
+
+def _unsupported(model) -> str | None:
+    """None when `model` can run the lean forward, else why not."""
+    name = type(model).__name__
+    if name not in _SUPPORTED or not type(model).__module__.startswith("transformers.models."):
+        return f"{name} is not a supported class"
+    if model.training:
+        return "the model is in training mode"
+    config = model.config
+    if any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or ())):
+        return "a layer is not full attention"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    modeling = sys.modules[type(model).__module__]
+    layer_class, norm_class = (getattr(modeling, cls, None) for cls in _SUPPORTED[name])
+    inner = model.model
+    norms = [inner.norm]
+    if len(inner.layers) != config.num_hidden_layers:
+        return "the model holds more or fewer layers than its config says"
+    for layer in inner.layers:
+        if type(layer) is not layer_class:
+            return f"a decoder layer is a {type(layer).__name__}"
+        attention, mlp = layer.self_attn, layer.mlp
+        if getattr(attention, "sliding_window", None) is not None:
+            return "a layer has a sliding window"
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
+                       mlp.up_proj, mlp.down_proj)
+        if any(type(projection) is not nn.Linear for projection in projections):
+            return "a projection is not a plain nn.Linear (adapter or quantized layer)"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    if any(type(norm) is not norm_class or not _own(type(norm).forward, modeling, norm_class) for norm in norms):
+        return "a norm is not the model's own RMSNorm"
+    if "kernels" in sys.modules:  # the Hub kernels package can swap norms and rotary functions for its own
+        return "the kernels package is loaded"
+    if type(model.lm_head) is not nn.Linear:
+        return "the LM head is not a plain nn.Linear"
+    hooks = (torch.nn.modules.module._global_forward_hooks, torch.nn.modules.module._global_forward_pre_hooks)
+    if any(hooks):
+        return "global module hooks are registered"
+    for module in model.modules():
+        if any(_foreign(hook) for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())):
+            return f"a {type(module).__name__} has forward hooks"
+        if type(module) is not nn.Linear and "forward" in module.__dict__:
+            return f"a {type(module).__name__} has a replaced forward"
+    return None
+
+
+def lean_forward(model) -> LeanForward | None:
+    """A `LeanForward` for `model`, or None when it does not apply (see the module docstring)."""
+    if not _ON.get() or _unsupported(model) is not None:
+        return None
+    return LeanForward(model)
+
+
+def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
+    # the RMSNorm classes' formula, same operations in the same order
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * hidden.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanForward:
+    """`model(input_ids=..., attention_mask=mask, position_ids=..., cache=..., use_cache=True, ...)` for one
+    supported model (see the module docstring), returning `logits` and optionally `hidden_states`."""
+
+    def __init__(self, model):
+        self.model = model
+        self.inner = model.model
+        self.eager = sys.modules[type(model).__module__].eager_attention_forward
+
+    def applies(self, input_ids: torch.Tensor) -> bool:
+        """Whether this call may run lean: CPU tensors and the switch on."""
+        return _ON.get() and input_ids.device.type == "cpu"
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache,
+                 logits_to_keep: int = 0, output_hidden_states: bool = False) -> CausalLMOutputWithPast:
+        inner = self.inner
+        implementation = inner.config._attn_implementation
+        if implementation not in _ATTENTION:
+            raise RuntimeError(f"the lean forward does not run attention {implementation!r}")
+        attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.eager)
+        hidden = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        states = [hidden] if output_hidden_states else None
+        shape = input_ids.shape
+        for layer in inner.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            residual = hidden
+            hidden = _rms_norm(layer.input_layernorm, hidden)
+            head_shape = (*shape, -1, attention.head_dim)
+            query = attention.q_proj.forward(hidden).view(head_shape).transpose(1, 2)
+            key = attention.k_proj.forward(hidden).view(head_shape).transpose(1, 2)
+            value = attention.v_proj.forward(hidden).view(head_shape).transpose(1, 2)
+            query = (query * cos) + (_rotate_half(query) * sin)
+            key = (key * cos) + (_rotate_half(key) * sin)
+            key, value = cache.update(key, value, attention.layer_idx)
+            output, _ = attention_function(attention, query, key, value, attention_mask, dropout=0.0,
+                                           scaling=attention.scaling, position_ids=position_ids, use_cache=True)
+            output = attention.o_proj.forward(output.reshape(*shape, -1).contiguous())
+            hidden = residual + output
+            residual = hidden
+            hidden = _rms_norm(layer.post_attention_layernorm, hidden)
+            hidden = mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
+            hidden = residual + hidden
+            if states is not None:
+                states.append(hidden)
+        hidden = _rms_norm(inner.norm, hidden)
+        if states is not None:
+            states[-1] = hidden  # transformers records the last layer's output after the final norm
+        logits = self.model.lm_head.forward(hidden[:, slice(-logits_to_keep, None), :])
+        return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(states) if states is not None else None)

@@ -1,0 +1,142 @@
+"""The lean forward: bitwise transformers' forward where it applies, and not taken anywhere else."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from hf_adaptive_spec import lean, ops
+from hf_adaptive_spec.attention import tree_attention
+from hf_adaptive_spec.lean import LeanForward, lean_forward, use_lean_forward
+from hf_adaptive_spec.ops import cpu_linear
+from tiny_models import VOCAB_SIZE, build_drafter, build_model, make_inputs
+
+
+def _tree(generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random parents (node 0 the root) and a valid mask with one padding node when size > 3."""
+    parents = torch.tensor([[-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, size)]])
+    valid = torch.ones(1, size, dtype=torch.bool)
+    if size > 3:
+        valid[0, -1] = False
+    return parents, valid
+
+
+def _prefilled(model, length: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB_SIZE, (1, length), generator=generator)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=prompt, cache=cache, use_cache=True)
+    return cache, generator
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kernels", [False, True])
+def test_lean_forward_is_bitwise_the_models_forward(arch, kernels):
+    """Tree forwards (random trees over a prefilled cache): logits, every hidden state and every cache
+    slot equal transformers' forward bit for bit, with and without the CPU kernels and the tree sdpa."""
+    model = build_model(arch, num_layers=3, hidden_size=64)
+    runner = lean_forward(model)
+    assert isinstance(runner, LeanForward)
+    for seed, size, keep in [(0, 1, 0), (1, 5, 0), (2, 9, 0), (3, 6, 1)]:
+        cache, generator = _prefilled(model, 11 + seed, seed)
+        twin, spare = copy.deepcopy(cache), copy.deepcopy(cache)
+        parents, valid = _tree(generator, size)
+        mask, depths = ops.tree_attention_mask(parents, valid, torch.ones(1, cache.get_seq_length(), dtype=torch.bool),
+                                               model.dtype)
+        tokens = torch.randint(0, VOCAB_SIZE, (1, size), generator=generator)
+        positions = cache.get_seq_length() + depths
+        with torch.no_grad(), cpu_linear.use_cpu_kernels(kernels), cpu_linear.fast_linears(model), \
+                tree_attention(model):
+            expected = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
+                             use_cache=True, output_hidden_states=True, logits_to_keep=keep)
+            got = runner(tokens, mask, positions, twin, logits_to_keep=keep, output_hidden_states=True)
+        assert torch.equal(got.logits, expected.logits)
+        assert len(got.hidden_states) == len(expected.hidden_states) == 4
+        assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, expected.hidden_states))
+        for mine, theirs in zip(twin.layers, cache.layers):
+            assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+        with torch.no_grad():
+            plain = runner(tokens, mask, positions, spare)
+        assert plain.hidden_states is None
+
+
+def test_eager_attention_too():
+    model = build_model("llama", num_layers=2, hidden_size=64, attn_implementation="eager")
+    cache, generator = _prefilled(model, 9, 0)
+    twin = copy.deepcopy(cache)
+    parents, valid = _tree(generator, 6)
+    mask, depths = ops.tree_attention_mask(parents, valid, torch.ones(1, 9, dtype=torch.bool), model.dtype)
+    tokens = torch.randint(0, VOCAB_SIZE, (1, 6), generator=generator)
+    with torch.no_grad():
+        expected = model(input_ids=tokens, attention_mask=mask, position_ids=9 + depths, cache=cache, use_cache=True)
+        got = lean_forward(model)(tokens, mask, 9 + depths, twin)
+    assert torch.equal(got.logits, expected.logits)
+
+
+def test_lean_forward_declines_what_it_was_not_checked_on(monkeypatch):
+    model = build_model("llama", num_layers=2, hidden_size=64)
+    assert lean_forward(model) is not None
+    with use_lean_forward(False):
+        assert lean_forward(model) is None
+    with pytest.raises(ValueError, match="True or False"):
+        use_lean_forward(1)
+    assert lean._unsupported(build_model("qwen2_vl")) is not None  # another class
+    model.train()
+    assert "training" in lean._unsupported(model)
+    model.eval()
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    assert "hooks" in lean._unsupported(model)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    assert "global" in lean._unsupported(model)
+    handle.remove()
+    layer = model.model.layers[0]
+    layer.forward = lambda *args, **kwargs: None  # e.g. an offload hook
+    assert "replaced forward" in lean._unsupported(model)
+    del layer.forward
+
+    class Adapter(nn.Linear):
+        pass
+
+    original = layer.mlp.up_proj
+    layer.mlp.up_proj = Adapter(original.in_features, original.out_features, bias=False)
+    assert "nn.Linear" in lean._unsupported(model)
+    layer.mlp.up_proj = original
+    assert lean._unsupported(model) is None
+    norm_class = type(layer.input_layernorm)
+    monkeypatch.setattr(norm_class, "forward", lambda self, x: x)  # e.g. a kernel swapped in for the class
+    assert "RMSNorm" in lean._unsupported(model)
+    monkeypatch.undo()
+    assert lean._unsupported(model) is None
+    sliding = build_model("qwen2", num_layers=2, hidden_size=64)
+    sliding.config.layer_types = ["full_attention", "sliding_attention"]
+    assert "full attention" in lean._unsupported(sliding)
+
+
+@pytest.mark.parametrize("strategy", ["laspec", "chain", "sage"])
+def test_generate_with_the_lean_forward_equals_plain(strategy, monkeypatch):
+    from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+
+    target = build_model("llama", hidden_size=64)
+    inputs = make_inputs("llama", batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=20, do_sample=False)
+    if strategy == "laspec":
+        torch.manual_seed(0)
+        drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
+    else:
+        drafter = build_drafter("llama", target, "small")
+    calls = []
+    original = LeanForward.__call__
+    monkeypatch.setattr(LeanForward, "__call__", lambda self, *a, **k: calls.append(self.model) or original(self, *a, **k))
+    for on in (True, False):
+        calls.clear()
+        with use_lean_forward(on):
+            out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                                  spec_strategy=strategy, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert any(model is target for model in calls) == on
+        if strategy != "laspec":  # an independent Llama drafter's forwards run lean too
+            assert any(model is drafter for model in calls) == on
