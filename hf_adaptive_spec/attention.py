@@ -47,6 +47,23 @@ def _foldable(module, query, key, value, attention_mask, dropout, kwargs) -> int
     return n_rep
 
 
+_FOLDED = [None]  # (mask, its version, arguments, folded mask): every layer of one forward folds the same mask
+
+
+def _folded_mask(attention_mask, batch: int, n_rep: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """The head-shared mask repeated for the n_rep folded query heads `(B, 1, n_rep * Q, K)`, made once per
+    mask (the same tensor, unmodified: identity and version are checked) and shared by the layers."""
+    arguments = (batch, n_rep, q_len, kv_len)
+    cached = _FOLDED[0]
+    if cached is not None and cached[0] is attention_mask and cached[1] == attention_mask._version \
+            and cached[2] == arguments:
+        return cached[3]
+    mask = attention_mask[..., :kv_len].expand(batch, 1, q_len, kv_len)
+    mask = mask.unsqueeze(2).expand(batch, 1, n_rep, q_len, kv_len).reshape(batch, 1, n_rep * q_len, kv_len)
+    _FOLDED[0] = (attention_mask, attention_mask._version, arguments, mask)
+    return mask
+
+
 def tree_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention function (transformers' signature): `(attn_output (B, Q, H, D), None)`."""
     n_rep = _foldable(module, query, key, value, attention_mask, dropout, kwargs)
@@ -56,8 +73,7 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout: floa
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     folded = query.reshape(batch, kv_heads, n_rep * q_len, head_dim)  # head h -> kv head h // n_rep, as repeat_kv
-    mask = attention_mask[..., :kv_len].expand(batch, 1, q_len, kv_len)
-    mask = mask.unsqueeze(2).expand(batch, 1, n_rep, q_len, kv_len).reshape(batch, 1, n_rep * q_len, kv_len)
+    mask = _folded_mask(attention_mask, batch, n_rep, q_len, kv_len)
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, q_len, head_dim).transpose(1, 2).contiguous(), None
 

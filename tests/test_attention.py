@@ -100,3 +100,20 @@ def test_tree_attention_leaves_other_implementations_alone():
     with tree_attention(target):
         assert target.config._attn_implementation == TREE_SDPA
     assert target.config._attn_implementation == "sdpa"
+
+
+def test_the_folded_mask_is_shared_only_by_the_same_unmodified_mask():
+    from hf_adaptive_spec.attention import _folded_mask
+
+    mask = torch.zeros(1, 1, 3, 7)
+    mask[..., 5:] = float("-inf")
+    folded = _folded_mask(mask, 1, 2, 3, 7)
+    assert folded.shape == (1, 1, 6, 7)
+    assert torch.equal(folded, mask.unsqueeze(2).expand(1, 1, 2, 3, 7).reshape(1, 1, 6, 7))
+    assert _folded_mask(mask, 1, 2, 3, 7) is folded  # the next layer of the same forward
+    assert _folded_mask(mask, 1, 3, 3, 7) is not folded  # other arguments
+    mask[..., 0] = float("-inf")  # modified in place: folded again
+    again = _folded_mask(mask, 1, 2, 3, 7)
+    assert again is not folded and bool(torch.isinf(again[..., 0]).all())
+    other = mask.clone()
+    assert _folded_mask(other, 1, 2, 3, 7) is not again  # an equal but different tensor: folded again
