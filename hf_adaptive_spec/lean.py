@@ -13,8 +13,10 @@ formula, each projection's own `forward` (so `ops.cpu_linear.fast_linears` still
 and the LM head. Its logits, hidden states and cache contents are bitwise those of `model(...)` (tested on
 Llama and Qwen2, with and without the CPU kernels).
 
-Only for what that has been checked on: `LlamaForCausalLM` and `Qwen2ForCausalLM` with full attention in
-every layer, in eval mode, on a CPU (the only device it has been measured on), with "sdpa", "eager" or the
+Only for what that has been checked on: `LlamaForCausalLM` and `Qwen2ForCausalLM`, and the VLMs whose
+language model is one of those and whose forward without pixels is embedding, language model, LM head
+(`LlavaForConditionalGeneration`, `LlavaOnevisionForConditionalGeneration`: a round feeds text tokens only),
+with full attention in every layer, in eval mode, on a CPU (the only device it has been measured on), with "sdpa", "eager" or the
 tree sdpa, and with no hooks (but transformers' own output recorders) or replaced `forward` on any module
 but plain `nn.Linear` layers. Anything
 else gets None and the caller runs the model as before; `use_lean_forward(False)` forces that too.
@@ -37,11 +39,26 @@ __all__ = ["lean_forward", "use_lean_forward", "LeanForward"]
 
 _ON = contextvars.ContextVar("hf_adaptive_spec_lean_forward", default=True)
 _ATTENTION = ("sdpa", "eager", TREE_SDPA)
-# model class -> (decoder layer class, RMSNorm class), by name within its own transformers module
+# text model class -> (decoder layer class, RMSNorm class), by name within its own transformers module
 _SUPPORTED = {
-    "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaRMSNorm"),
-    "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2RMSNorm"),
+    "LlamaModel": ("LlamaDecoderLayer", "LlamaRMSNorm"),
+    "Qwen2Model": ("Qwen2DecoderLayer", "Qwen2RMSNorm"),
 }
+# model classes whose forward, given only input ids (no pixels), is: embed, text model, LM head
+_CAUSAL_LM = ("LlamaForCausalLM", "Qwen2ForCausalLM")  # text model at `.model`
+_VLM = ("LlavaForConditionalGeneration", "LlavaOnevisionForConditionalGeneration")  # at `.model.language_model`
+
+
+def _text_stack(model):
+    """`(text model, LM head)` of a supported model class, else None."""
+    name = type(model).__name__
+    if not type(model).__module__.startswith("transformers.models."):
+        return None
+    if name in _CAUSAL_LM:
+        return model.model, model.lm_head
+    if name in _VLM:
+        return model.model.language_model, model.lm_head
+    return None
 
 
 def use_lean_forward(on: bool):
@@ -65,19 +82,19 @@ def _own(function, modeling, cls) -> bool:
 
 def _unsupported(model) -> str | None:
     """None when `model` can run the lean forward, else why not."""
-    name = type(model).__name__
-    if name not in _SUPPORTED or not type(model).__module__.startswith("transformers.models."):
-        return f"{name} is not a supported class"
+    stack = _text_stack(model)
+    if stack is None or type(stack[0]).__name__ not in _SUPPORTED:
+        return f"{type(model).__name__} is not a supported class"
     if model.training:
         return "the model is in training mode"
-    config = model.config
+    inner, lm_head = stack
+    config = inner.config
     if any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or ())):
         return "a layer is not full attention"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp != 1"
-    modeling = sys.modules[type(model).__module__]
-    layer_class, norm_class = (getattr(modeling, cls, None) for cls in _SUPPORTED[name])
-    inner = model.model
+    modeling = sys.modules[type(inner).__module__]
+    layer_class, norm_class = (getattr(modeling, cls, None) for cls in _SUPPORTED[type(inner).__name__])
     norms = [inner.norm]
     if len(inner.layers) != config.num_hidden_layers:
         return "the model holds more or fewer layers than its config says"
@@ -96,7 +113,7 @@ def _unsupported(model) -> str | None:
         return "a norm is not the model's own RMSNorm"
     if "kernels" in sys.modules:  # the Hub kernels package can swap norms and rotary functions for its own
         return "the kernels package is loaded"
-    if type(model.lm_head) is not nn.Linear:
+    if type(lm_head) is not nn.Linear:
         return "the LM head is not a plain nn.Linear"
     hooks = (torch.nn.modules.module._global_forward_hooks, torch.nn.modules.module._global_forward_pre_hooks)
     if any(hooks):
@@ -131,8 +148,8 @@ class LeanForward:
 
     def __init__(self, model):
         self.model = model
-        self.inner = model.model
-        self.eager = sys.modules[type(model).__module__].eager_attention_forward
+        self.inner, self.lm_head = _text_stack(model)
+        self.eager = sys.modules[type(self.inner).__module__].eager_attention_forward
         # the submodules each layer uses, looked up once (nn.Module attribute lookups cost ~1 us each); the
         # projections' `forward` is still read per call, so `fast_linears` patches made later apply
         self.layers = [(layer.input_layernorm, layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj,
@@ -184,5 +201,5 @@ class LeanForward:
         hidden = _rms_norm(inner.norm, hidden)
         if states is not None:
             states[-1] = hidden  # transformers records the last layer's output after the final norm
-        logits = self.model.lm_head.forward(hidden[:, slice(-logits_to_keep, None), :])
+        logits = self.lm_head.forward(hidden[:, slice(-logits_to_keep, None), :])
         return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(states) if states is not None else None)

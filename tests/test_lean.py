@@ -32,7 +32,7 @@ def _prefilled(model, length: int, seed: int):
     return cache, generator
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llava", "llava_onevision"])
 @pytest.mark.parametrize("kernels", [False, True])
 def test_lean_forward_is_bitwise_the_models_forward(arch, kernels):
     """Tree forwards (random trees over a prefilled cache): logits, every hidden state and every cache
@@ -83,7 +83,7 @@ def test_lean_forward_declines_what_it_was_not_checked_on(monkeypatch):
         assert lean_forward(model) is None
     with pytest.raises(ValueError, match="True or False"):
         use_lean_forward(1)
-    assert lean._unsupported(build_model("qwen2_vl")) is not None  # another class
+    assert "qwen2" in lean._unsupported(build_model("qwen2_vl")).lower()  # mRoPE positions: not this forward
     model.train()
     assert "training" in lean._unsupported(model)
     model.eval()
@@ -140,3 +140,20 @@ def test_generate_with_the_lean_forward_equals_plain(strategy, monkeypatch):
         assert any(model is target for model in calls) == on
         if strategy != "laspec":  # an independent Llama drafter's forwards run lean too
             assert any(model is drafter for model in calls) == on
+
+
+def test_generate_on_a_vlm_with_an_image_runs_lean_rounds_and_equals_plain(monkeypatch):
+    from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+
+    target = build_model("llava", hidden_size=64)
+    inputs = make_inputs("llava", batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    torch.manual_seed(0)
+    drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=3, num_visual_tokens=4)).eval()
+    calls = []
+    original = LeanForward.__call__
+    monkeypatch.setattr(LeanForward, "__call__", lambda self, *a, **k: calls.append(self.model) or original(self, *a, **k))
+    out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert calls and all(model is target for model in calls)  # the prefill (pixels) is transformers' own
