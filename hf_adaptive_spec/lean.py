@@ -17,7 +17,7 @@ Only for what that has been checked on: `LlamaForCausalLM` and `Qwen2ForCausalLM
 language model is one of those and whose forward without pixels is embedding, language model, LM head
 (`LlavaForConditionalGeneration`, `LlavaOnevisionForConditionalGeneration`: a round feeds text tokens only),
 with full attention in every layer, in eval mode, on a CPU (the only device it has been measured on), with "sdpa", "eager" or the
-tree sdpa, and with no hooks (but transformers' own output recorders) or replaced `forward` on any module
+tree sdpa (or the query capture of visual selection), and with no hooks (but transformers' own output recorders) or replaced `forward` on any module
 but plain `nn.Linear` layers. Anything
 else gets None and the caller runs the model as before; `use_lean_forward(False)` forces that too.
 """
@@ -34,11 +34,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import TREE_SDPA
 from .ops import scoped
+from .vision import CAPTURE_ATTENTION
 
 __all__ = ["lean_forward", "use_lean_forward", "LeanForward"]
 
 _ON = contextvars.ContextVar("hf_adaptive_spec_lean_forward", default=True)
-_ATTENTION = ("sdpa", "eager", TREE_SDPA)
+# attention implementations it calls exactly as transformers would (the tree sdpa, and the LaSpec loop's
+# query capture for visual selection, which records the query and runs the tree sdpa)
+_ATTENTION = ("sdpa", "eager", TREE_SDPA, CAPTURE_ATTENTION)
 # text model class -> (decoder layer class, RMSNorm class), by name within its own transformers module
 _SUPPORTED = {
     "LlamaModel": ("LlamaDecoderLayer", "LlamaRMSNorm"),
@@ -158,8 +161,9 @@ class LeanForward:
                        for layer in self.inner.layers]
 
     def applies(self, input_ids: torch.Tensor) -> bool:
-        """Whether this call may run lean: CPU tensors and the switch on."""
-        return _ON.get() and input_ids.device.type == "cpu"
+        """Whether this call may run lean: CPU tensors, an attention implementation it runs, the switch on."""
+        return (_ON.get() and input_ids.device.type == "cpu"
+                and self.inner.config._attn_implementation in _ATTENTION)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache,
                  logits_to_keep: int = 0, output_hidden_states: bool = False) -> CausalLMOutputWithPast:

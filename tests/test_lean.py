@@ -111,6 +111,11 @@ def test_lean_forward_declines_what_it_was_not_checked_on(monkeypatch):
     assert "RMSNorm" in lean._unsupported(model)
     monkeypatch.undo()
     assert lean._unsupported(model) is None
+    runner = lean_forward(model)
+    assert runner.applies(torch.zeros(1, 1, dtype=torch.long))
+    monkeypatch.setattr(lean, "_ATTENTION", ("eager",))  # an implementation it does not run: transformers' forward
+    assert not runner.applies(torch.zeros(1, 1, dtype=torch.long))
+    monkeypatch.undo()
     sliding = build_model("qwen2", num_layers=2, hidden_size=64)
     sliding.config.layer_types = ["full_attention", "sliding_attention"]
     assert "full attention" in lean._unsupported(sliding)
