@@ -96,4 +96,14 @@ def tree_attention(model):
     if getattr(text_config, "_attn_implementation", None) != "sdpa":
         return contextlib.nullcontext()
     register_tree_attention()
-    return text_attention_implementation(model, TREE_SDPA)
+    return _releasing_folded_mask(text_attention_implementation(model, TREE_SDPA))
+
+
+@contextlib.contextmanager
+def _releasing_folded_mask(context):
+    """`context`, then drop the folded mask kept for the layers of the last forward (no tensor outlives it)."""
+    try:
+        with context:
+            yield
+    finally:
+        _FOLDED[0] = None

@@ -117,3 +117,13 @@ def test_the_folded_mask_is_shared_only_by_the_same_unmodified_mask():
     assert again is not folded and bool(torch.isinf(again[..., 0]).all())
     other = mask.clone()
     assert _folded_mask(other, 1, 2, 3, 7) is not again  # an equal but different tensor: folded again
+
+
+def test_tree_attention_drops_the_folded_mask_on_exit():
+    from hf_adaptive_spec import attention
+
+    model = build_model("llama")
+    with attention.tree_attention(model):
+        attention._folded_mask(torch.zeros(1, 1, 2, 5), 1, 2, 2, 5)
+        assert attention._FOLDED[0] is not None
+    assert attention._FOLDED[0] is None
