@@ -14,8 +14,9 @@ and the LM head. Its logits, hidden states and cache contents are bitwise those 
 Llama and Qwen2, with and without the CPU kernels).
 
 Only for what that has been checked on: `LlamaForCausalLM` and `Qwen2ForCausalLM`, and the VLMs whose
-language model is one of those and whose forward without pixels is embedding, language model, LM head
-(`LlavaForConditionalGeneration`, `LlavaOnevisionForConditionalGeneration`: a round feeds text tokens only),
+forward without pixels is embedding, language model, LM head (a round feeds text tokens only): Llava and
+LLaVA-OneVision (a Llama or Qwen2 language model), Qwen2-VL and Qwen2.5-VL (the same layers with
+multimodal rotary positions: the rotary module gets the position rows as their text model passes them),
 with full attention in every layer, in eval mode, on a CPU (the only device it has been measured on), with "sdpa", "eager" or the
 tree sdpa (or the query capture of visual selection), and with no hooks (but transformers' own output recorders) or replaced `forward` on any module
 but plain `nn.Linear` layers. Anything
@@ -42,14 +43,19 @@ _ON = contextvars.ContextVar("hf_adaptive_spec_lean_forward", default=True)
 # attention implementations it calls exactly as transformers would (the tree sdpa, and the LaSpec loop's
 # query capture for visual selection, which records the query and runs the tree sdpa)
 _ATTENTION = ("sdpa", "eager", TREE_SDPA, CAPTURE_ATTENTION)
-# text model class -> (decoder layer class, RMSNorm class), by name within its own transformers module
+# text model class -> (decoder layer, RMSNorm, MLP classes), by name within its own transformers module
 _SUPPORTED = {
-    "LlamaModel": ("LlamaDecoderLayer", "LlamaRMSNorm"),
-    "Qwen2Model": ("Qwen2DecoderLayer", "Qwen2RMSNorm"),
+    "LlamaModel": ("LlamaDecoderLayer", "LlamaRMSNorm", "LlamaMLP"),
+    "Qwen2Model": ("Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2MLP"),
+    "Qwen2VLTextModel": ("Qwen2VLDecoderLayer", "Qwen2VLRMSNorm", "Qwen2MLP"),
+    "Qwen2_5_VLTextModel": ("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLRMSNorm", "Qwen2MLP"),
 }
+# text models with multimodal rotary positions (3 rows: temporal, height, width; 4 with text positions first)
+_MROPE = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel")
 # model classes whose forward, given only input ids (no pixels), is: embed, text model, LM head
 _CAUSAL_LM = ("LlamaForCausalLM", "Qwen2ForCausalLM")  # text model at `.model`
-_VLM = ("LlavaForConditionalGeneration", "LlavaOnevisionForConditionalGeneration")  # at `.model.language_model`
+_VLM = ("LlavaForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",  # at `.model.language_model`
+        "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 def _text_stack(model):
@@ -78,8 +84,8 @@ def _foreign(hook) -> bool:
 
 
 def _own(function, modeling, cls) -> bool:
-    """Whether `function` is `cls`'s own method as its modeling file defines it (not a swapped-in kernel)."""
-    return (getattr(function, "__module__", None) == modeling.__name__
+    """Whether `function` is `cls`'s own `forward` as its modeling file defines it (not a swapped-in kernel)."""
+    return (cls is not None and getattr(function, "__module__", None) == modeling.__name__
             and getattr(function, "__qualname__", None) == f"{cls.__name__}.forward")
 
 
@@ -97,7 +103,7 @@ def _unsupported(model) -> str | None:
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp != 1"
     modeling = sys.modules[type(inner).__module__]
-    layer_class, norm_class = (getattr(modeling, cls, None) for cls in _SUPPORTED[type(inner).__name__])
+    layer_class, norm_class, mlp_class = (getattr(modeling, cls, None) for cls in _SUPPORTED[type(inner).__name__])
     norms = [inner.norm]
     if len(inner.layers) != config.num_hidden_layers:
         return "the model holds more or fewer layers than its config says"
@@ -107,6 +113,8 @@ def _unsupported(model) -> str | None:
         attention, mlp = layer.self_attn, layer.mlp
         if getattr(attention, "sliding_window", None) is not None:
             return "a layer has a sliding window"
+        if type(mlp) is not mlp_class or not _own(type(mlp).forward, modeling, mlp_class):
+            return "an MLP is not the model's own gated MLP"
         projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
                        mlp.up_proj, mlp.down_proj)
         if any(type(projection) is not nn.Linear for projection in projections):
@@ -152,6 +160,7 @@ class LeanForward:
     def __init__(self, model):
         self.model = model
         self.inner, self.lm_head = _text_stack(model)
+        self.mrope = type(self.inner).__name__ in _MROPE
         self.eager = sys.modules[type(self.inner).__module__].eager_attention_forward
         # the submodules each layer uses, looked up once (nn.Module attribute lookups cost ~1 us each); the
         # projections' `forward` is still read per call, so `fast_linears` patches made later apply
@@ -173,7 +182,15 @@ class LeanForward:
             raise RuntimeError(f"the lean forward does not run attention {implementation!r}")
         attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.eager)
         hidden = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+        text_positions = position_ids
+        if self.mrope:  # as the Qwen2-VL text models do: rows for the rotary, text positions for attention
+            if position_ids.ndim == 2:
+                position_ids = position_ids[None, ...].expand(3, position_ids.shape[0], -1)
+            if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+                text_positions, position_ids = position_ids[0], position_ids[1:]
+            else:
+                text_positions = None
+        cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         # rotate_half(x) * sin == roll(x, half) * [-sin_1, sin_2] exactly ((-a) * b == a * (-b) in IEEE floats):
         # 2 operations per tensor instead of 5
@@ -193,7 +210,7 @@ class LeanForward:
             key = (key * cos) + (key.roll(half, -1) * signed_sin)
             key, value = cache.update(key, value, attention.layer_idx)
             output, _ = attention_function(attention, query, key, value, attention_mask, dropout=0.0,
-                                           scaling=attention.scaling, position_ids=position_ids, use_cache=True)
+                                           scaling=attention.scaling, position_ids=text_positions, use_cache=True)
             output = o_proj.forward(output.reshape(*shape, -1).contiguous())
             hidden = residual + output
             residual = hidden

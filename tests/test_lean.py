@@ -32,7 +32,7 @@ def _prefilled(model, length: int, seed: int):
     return cache, generator
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llava", "llava_onevision"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl"])
 @pytest.mark.parametrize("kernels", [False, True])
 def test_lean_forward_is_bitwise_the_models_forward(arch, kernels):
     """Tree forwards (random trees over a prefilled cache): logits, every hidden state and every cache
@@ -83,7 +83,7 @@ def test_lean_forward_declines_what_it_was_not_checked_on(monkeypatch):
         assert lean_forward(model) is None
     with pytest.raises(ValueError, match="True or False"):
         use_lean_forward(1)
-    assert "qwen2" in lean._unsupported(build_model("qwen2_vl")).lower()  # mRoPE positions: not this forward
+    assert "Qwen3VL" in lean._unsupported(build_model("qwen3_vl"))  # q/k norms, deepstack: not this forward
     model.train()
     assert "training" in lean._unsupported(model)
     model.eval()
@@ -162,3 +162,44 @@ def test_generate_on_a_vlm_with_an_image_runs_lean_rounds_and_equals_plain(monke
                           spec_strategy="laspec", return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     assert calls and all(model is target for model in calls)  # the prefill (pixels) is transformers' own
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_multimodal_rotary_position_rows_are_passed_as_the_text_model_does(arch):
+    """3 rows (temporal / height / width, as the loop passes them with rope deltas) and 4 rows (text
+    positions first): bitwise the model's forward."""
+    model = build_model(arch, num_layers=2, hidden_size=64)
+    runner = lean_forward(model)
+    for rows in (3, 4):
+        cache, generator = _prefilled(model, 10, rows)
+        twin = copy.deepcopy(cache)
+        parents, valid = _tree(generator, 5)
+        mask, depths = ops.tree_attention_mask(parents, valid, torch.ones(1, 10, dtype=torch.bool), model.dtype)
+        tokens = torch.randint(0, VOCAB_SIZE, (1, 5), generator=generator)
+        base = 10 + depths
+        positions = torch.stack([base, base + 3, base + 7])  # distinct rows: a wrong row order would show
+        if rows == 4:
+            positions = torch.cat([base[None], positions])
+        with torch.no_grad(), tree_attention(model):
+            expected = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
+                             use_cache=True, output_hidden_states=True)
+            got = runner(tokens, mask, positions, twin, output_hidden_states=True)
+        assert torch.equal(got.logits, expected.logits)
+        assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, expected.hidden_states))
+
+
+def test_generate_on_qwen2_vl_with_an_image_runs_lean_rounds_and_equals_plain(monkeypatch):
+    from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+
+    target = build_model("qwen2_vl", hidden_size=64)
+    inputs = make_inputs("qwen2_vl", batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    torch.manual_seed(0)
+    drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=3)).eval()
+    calls = []
+    original = LeanForward.__call__
+    monkeypatch.setattr(LeanForward, "__call__", lambda self, *a, **k: calls.append(self.model) or original(self, *a, **k))
+    out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert calls and all(model is target for model in calls)
