@@ -10,17 +10,18 @@ arithmetic in the same order as `model(...)` does: the embedding module, the rot
 formula, each projection's own `forward` (so `ops.cpu_linear.fast_linears` still applies), rotary embedding
 (`rotate_half(x) * sin` as `roll(x) * signed sin`: the same products, fewer operations), the cache's
 `update`, the configured attention function with the same arguments, the MLP's activation, the final norm
-and the LM head. Its logits, hidden states and cache contents are bitwise those of `model(...)` (tested on
-Llama and Qwen2, with and without the CPU kernels).
+and the LM head. Its logits, hidden states and cache contents are bitwise those of `model(...)` (tested for
+every supported class, with and without the CPU kernels).
 
 Only for what that has been checked on: `LlamaForCausalLM` and `Qwen2ForCausalLM`, and the VLMs whose
 forward without pixels is embedding, language model, LM head (a round feeds text tokens only): Llava and
 LLaVA-OneVision (a Llama or Qwen2 language model), Qwen2-VL and Qwen2.5-VL (the same layers with
-multimodal rotary positions: the rotary module gets the position rows as their text model passes them),
-with full attention in every layer, in eval mode, on a CPU (the only device it has been measured on), with "sdpa", "eager" or the
-tree sdpa (or the query capture of visual selection), and with no hooks (but transformers' own output recorders) or replaced `forward` on any module
-but plain `nn.Linear` layers. Anything
-else gets None and the caller runs the model as before; `use_lean_forward(False)` forces that too.
+multimodal rotary positions: the rotary module gets the position rows as their text model passes them).
+Full attention in every layer, eval mode, CPU tensors (the only device it has been measured on), "sdpa",
+"eager", the tree sdpa or the query capture of visual selection, the model's own RMSNorm and gated MLP,
+plain `nn.Linear` projections, and no hooks (but transformers' own output recorders) or replaced `forward`
+on other modules. Anything else gets None (or `applies` False) and the caller runs the model as before;
+`use_lean_forward(False)` forces that too.
 """
 
 from __future__ import annotations
