@@ -16,7 +16,8 @@ every supported class, with and without the CPU kernels).
 Only for what that has been checked on: `LlamaForCausalLM` and `Qwen2ForCausalLM`, and the VLMs whose
 forward without pixels is embedding, language model, LM head (a round feeds text tokens only): Llava and
 LLaVA-OneVision (a Llama or Qwen2 language model), Qwen2-VL and Qwen2.5-VL (the same layers with
-multimodal rotary positions: the rotary module gets the position rows as their text model passes them).
+multimodal rotary positions: the rotary module gets the position rows as their text model passes them) and
+Qwen3-VL (dense; queries and keys normalized per head; its deepstack visual features enter only with pixels).
 Full attention in every layer, eval mode, CPU tensors (the only device it has been measured on), "sdpa",
 "eager", the tree sdpa or the query capture of visual selection, the model's own RMSNorm and gated MLP,
 plain `nn.Linear` projections, and no hooks (but transformers' own output recorders) or replaced `forward`
@@ -44,19 +45,20 @@ _ON = contextvars.ContextVar("hf_adaptive_spec_lean_forward", default=True)
 # attention implementations it calls exactly as transformers would (the tree sdpa, and the LaSpec loop's
 # query capture for visual selection, which records the query and runs the tree sdpa)
 _ATTENTION = ("sdpa", "eager", TREE_SDPA, CAPTURE_ATTENTION)
-# text model class -> (decoder layer, RMSNorm, MLP classes), by name within its own transformers module
+# text model class -> (decoder layer, RMSNorm, MLP classes by name within its own transformers module, rows of
+# multimodal rotary positions its forward makes from 2D ones (None: plain rotary; 4: text positions first),
+# whether attention normalizes queries and keys per head)
 _SUPPORTED = {
-    "LlamaModel": ("LlamaDecoderLayer", "LlamaRMSNorm", "LlamaMLP"),
-    "Qwen2Model": ("Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2MLP"),
-    "Qwen2VLTextModel": ("Qwen2VLDecoderLayer", "Qwen2VLRMSNorm", "Qwen2MLP"),
-    "Qwen2_5_VLTextModel": ("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLRMSNorm", "Qwen2MLP"),
+    "LlamaModel": ("LlamaDecoderLayer", "LlamaRMSNorm", "LlamaMLP", None, False),
+    "Qwen2Model": ("Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2MLP", None, False),
+    "Qwen2VLTextModel": ("Qwen2VLDecoderLayer", "Qwen2VLRMSNorm", "Qwen2MLP", 3, False),
+    "Qwen2_5_VLTextModel": ("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLRMSNorm", "Qwen2MLP", 3, False),
+    "Qwen3VLTextModel": ("Qwen3VLTextDecoderLayer", "Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", 4, True),
 }
-# text models with multimodal rotary positions (3 rows: temporal, height, width; 4 with text positions first)
-_MROPE = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel")
 # model classes whose forward, given only input ids (no pixels), is: embed, text model, LM head
 _CAUSAL_LM = ("LlamaForCausalLM", "Qwen2ForCausalLM")  # text model at `.model`
 _VLM = ("LlavaForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",  # at `.model.language_model`
-        "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+        "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
 
 def _text_stack(model):
@@ -104,7 +106,8 @@ def _unsupported(model) -> str | None:
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp != 1"
     modeling = sys.modules[type(inner).__module__]
-    layer_class, norm_class, mlp_class = (getattr(modeling, cls, None) for cls in _SUPPORTED[type(inner).__name__])
+    spec = _SUPPORTED[type(inner).__name__]
+    layer_class, norm_class, mlp_class = (getattr(modeling, cls, None) for cls in spec[:3])
     norms = [inner.norm]
     if len(inner.layers) != config.num_hidden_layers:
         return "the model holds more or fewer layers than its config says"
@@ -121,6 +124,10 @@ def _unsupported(model) -> str | None:
         if any(type(projection) is not nn.Linear for projection in projections):
             return "a projection is not a plain nn.Linear (adapter or quantized layer)"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if spec[4]:
+            norms += [attention.q_norm, attention.k_norm]
+        elif hasattr(attention, "q_norm") or hasattr(attention, "k_norm"):
+            return "an attention normalizes queries or keys"
     if any(type(norm) is not norm_class or not _own(type(norm).forward, modeling, norm_class) for norm in norms):
         return "a norm is not the model's own RMSNorm"
     if "kernels" in sys.modules:  # the Hub kernels package can swap norms and rotary functions for its own
@@ -161,13 +168,14 @@ class LeanForward:
     def __init__(self, model):
         self.model = model
         self.inner, self.lm_head = _text_stack(model)
-        self.mrope = type(self.inner).__name__ in _MROPE
+        _, _, _, self.rope_rows, qk_norm = _SUPPORTED[type(self.inner).__name__]
         self.eager = sys.modules[type(self.inner).__module__].eager_attention_forward
         # the submodules each layer uses, looked up once (nn.Module attribute lookups cost ~1 us each); the
         # projections' `forward` is still read per call, so `fast_linears` patches made later apply
         self.layers = [(layer.input_layernorm, layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj,
                         layer.self_attn.v_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
-                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, layer.mlp.act_fn)
+                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, layer.mlp.act_fn,
+                        layer.self_attn.q_norm if qk_norm else None, layer.self_attn.k_norm if qk_norm else None)
                        for layer in self.inner.layers]
 
     def applies(self, input_ids: torch.Tensor) -> bool:
@@ -184,9 +192,9 @@ class LeanForward:
         attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.eager)
         hidden = inner.embed_tokens(input_ids)
         text_positions = position_ids
-        if self.mrope:  # as the Qwen2-VL text models do: rows for the rotary, text positions for attention
+        if self.rope_rows:  # as the Qwen-VL text models do: rows for the rotary, text positions for attention
             if position_ids.ndim == 2:
-                position_ids = position_ids[None, ...].expand(3, position_ids.shape[0], -1)
+                position_ids = position_ids[None, ...].expand(self.rope_rows, position_ids.shape[0], -1)
             if position_ids.ndim == 3 and position_ids.shape[0] == 4:
                 text_positions, position_ids = position_ids[0], position_ids[1:]
             else:
@@ -200,12 +208,15 @@ class LeanForward:
         states = [hidden] if output_hidden_states else None
         shape = input_ids.shape
         for (norm_in, attention, q_proj, k_proj, v_proj, o_proj, norm_post, gate_proj, up_proj, down_proj,
-             act_fn) in self.layers:
+             act_fn, q_norm, k_norm) in self.layers:
             residual = hidden
             hidden = _rms_norm(norm_in, hidden)
             head_shape = (*shape, -1, attention.head_dim)
-            query = q_proj.forward(hidden).view(head_shape).transpose(1, 2)
-            key = k_proj.forward(hidden).view(head_shape).transpose(1, 2)
+            query = q_proj.forward(hidden).view(head_shape)
+            key = k_proj.forward(hidden).view(head_shape)
+            if q_norm is not None:  # per head, before the rotary (Qwen3)
+                query, key = _rms_norm(q_norm, query), _rms_norm(k_norm, key)
+            query, key = query.transpose(1, 2), key.transpose(1, 2)
             value = v_proj.forward(hidden).view(head_shape).transpose(1, 2)
             query = (query * cos) + (query.roll(half, -1) * signed_sin)
             key = (key * cos) + (key.roll(half, -1) * signed_sin)

@@ -32,7 +32,7 @@ def _prefilled(model, length: int, seed: int):
     return cache, generator
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("kernels", [False, True])
 def test_lean_forward_is_bitwise_the_models_forward(arch, kernels):
     """Tree forwards (random trees over a prefilled cache): logits, every hidden state and every cache
@@ -83,7 +83,7 @@ def test_lean_forward_declines_what_it_was_not_checked_on(monkeypatch):
         assert lean_forward(model) is None
     with pytest.raises(ValueError, match="True or False"):
         use_lean_forward(1)
-    assert "Qwen3VL" in lean._unsupported(build_model("qwen3_vl"))  # q/k norms, deepstack: not this forward
+    assert "not a supported class" in lean._unsupported(build_model("qwen3_vl_moe"))  # experts: not this forward
     model.train()
     assert "training" in lean._unsupported(model)
     model.eval()
@@ -106,6 +106,9 @@ def test_lean_forward_declines_what_it_was_not_checked_on(monkeypatch):
     assert "nn.Linear" in lean._unsupported(model)
     layer.mlp.up_proj = original
     assert lean._unsupported(model) is None
+    layer.self_attn.q_norm = nn.Identity()  # a query norm this class's forward would not know about
+    assert "normalizes" in lean._unsupported(model)
+    del layer.self_attn.q_norm
     norm_class = type(layer.input_layernorm)
     monkeypatch.setattr(norm_class, "forward", lambda self, x: x)  # e.g. a kernel swapped in for the class
     assert "RMSNorm" in lean._unsupported(model)
@@ -164,7 +167,7 @@ def test_generate_on_a_vlm_with_an_image_runs_lean_rounds_and_equals_plain(monke
     assert calls and all(model is target for model in calls)  # the prefill (pixels) is transformers' own
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_multimodal_rotary_position_rows_are_passed_as_the_text_model_does(arch):
     """3 rows (temporal / height / width, as the loop passes them with rope deltas) and 4 rows (text
     positions first): bitwise the model's forward."""
@@ -188,11 +191,12 @@ def test_multimodal_rotary_position_rows_are_passed_as_the_text_model_does(arch)
         assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, expected.hidden_states))
 
 
-def test_generate_on_qwen2_vl_with_an_image_runs_lean_rounds_and_equals_plain(monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_generate_on_a_qwen_vl_with_an_image_runs_lean_rounds_and_equals_plain(arch, monkeypatch):
     from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
 
-    target = build_model("qwen2_vl", hidden_size=64)
-    inputs = make_inputs("qwen2_vl", batch_size=2)
+    target = build_model(arch, hidden_size=64)
+    inputs = make_inputs(arch, batch_size=2)
     expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
     torch.manual_seed(0)
     drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=3)).eval()
