@@ -111,10 +111,14 @@ def _unsupported(model) -> str | None:
     norms = [inner.norm]
     if len(inner.layers) != config.num_hidden_layers:
         return "the model holds more or fewer layers than its config says"
+    if not _own(type(inner).forward, modeling, type(inner)):
+        return "the text model's forward is not its modeling file's"
     for layer in inner.layers:
-        if type(layer) is not layer_class:
-            return f"a decoder layer is a {type(layer).__name__}"
+        if type(layer) is not layer_class or not _own(type(layer).forward, modeling, layer_class):
+            return f"a decoder layer is a {type(layer).__name__} or has another forward"
         attention, mlp = layer.self_attn, layer.mlp
+        if not _own(type(attention).forward, modeling, type(attention)):
+            return "an attention's forward is not its modeling file's"
         if getattr(attention, "sliding_window", None) is not None:
             return "a layer has a sliding window"
         if type(mlp) is not mlp_class or not _own(type(mlp).forward, modeling, mlp_class):

@@ -113,6 +113,12 @@ def test_lean_forward_declines_what_it_was_not_checked_on(monkeypatch):
     monkeypatch.setattr(norm_class, "forward", lambda self, x: x)  # e.g. a kernel swapped in for the class
     assert "RMSNorm" in lean._unsupported(model)
     monkeypatch.undo()
+    monkeypatch.setattr(type(layer), "forward", lambda self, *a, **k: None)  # another decoder-layer forward
+    assert "another forward" in lean._unsupported(model)
+    monkeypatch.undo()
+    monkeypatch.setattr(type(layer.self_attn), "forward", lambda self, *a, **k: None)
+    assert "attention's forward" in lean._unsupported(model)
+    monkeypatch.undo()
     assert lean._unsupported(model) is None
     runner = lean_forward(model)
     assert runner.applies(torch.zeros(1, 1, dtype=torch.long))
