@@ -182,9 +182,10 @@ class LeanForward:
                         layer.self_attn.q_norm if qk_norm else None, layer.self_attn.k_norm if qk_norm else None)
                        for layer in self.inner.layers]
 
-    def applies(self, input_ids: torch.Tensor) -> bool:
-        """Whether this call may run lean: CPU tensors, an attention implementation it runs, the switch on."""
-        return (_ON.get() and input_ids.device.type == "cpu"
+    def applies(self, inputs: torch.Tensor) -> bool:
+        """Whether a call on `inputs` (any tensor of the call) may run lean: CPU tensors, an attention
+        implementation it runs, the switch on."""
+        return (_ON.get() and inputs.device.type == "cpu"
                 and self.inner.config._attn_implementation in _ATTENTION)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache,
