@@ -13,7 +13,8 @@ formula, each projection's own `forward` (so `ops.cpu_linear.fast_linears` still
 and the LM head. Its logits, hidden states and cache contents are bitwise those of `model(...)` (tested for
 every supported class, with and without the CPU kernels).
 
-Only for what that has been checked on: `LlamaForCausalLM` and `Qwen2ForCausalLM`, and the VLMs whose
+Only for what that has been checked on: `LlamaForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` (dense,
+full attention: queries and keys normalized per head before the rotary), and the VLMs whose
 forward without pixels is embedding, language model, LM head (a round feeds text tokens only): Llava and
 LLaVA-OneVision (a Llama or Qwen2 language model), Qwen2-VL and Qwen2.5-VL (the same layers with
 multimodal rotary positions: the rotary module gets the position rows as their text model passes them) and
@@ -51,12 +52,13 @@ _ATTENTION = ("sdpa", "eager", TREE_SDPA, CAPTURE_ATTENTION)
 _SUPPORTED = {
     "LlamaModel": ("LlamaDecoderLayer", "LlamaRMSNorm", "LlamaMLP", None, False),
     "Qwen2Model": ("Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2MLP", None, False),
+    "Qwen3Model": ("Qwen3DecoderLayer", "Qwen3RMSNorm", "Qwen3MLP", None, True),
     "Qwen2VLTextModel": ("Qwen2VLDecoderLayer", "Qwen2VLRMSNorm", "Qwen2MLP", 3, False),
     "Qwen2_5_VLTextModel": ("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLRMSNorm", "Qwen2MLP", 3, False),
     "Qwen3VLTextModel": ("Qwen3VLTextDecoderLayer", "Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", 4, True),
 }
 # model classes whose forward, given only input ids (no pixels), is: embed, text model, LM head
-_CAUSAL_LM = ("LlamaForCausalLM", "Qwen2ForCausalLM")  # text model at `.model`
+_CAUSAL_LM = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # text model at `.model`
 _VLM = ("LlavaForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",  # at `.model.language_model`
         "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 

@@ -32,7 +32,8 @@ def _prefilled(model, length: int, seed: int):
     return cache, generator
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl",
+                                  "qwen3_vl"])
 @pytest.mark.parametrize("kernels", [False, True])
 def test_lean_forward_is_bitwise_the_models_forward(arch, kernels):
     """Tree forwards (random trees over a prefilled cache): logits, every hidden state and every cache
@@ -138,18 +139,19 @@ def _lean_calls(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("strategy", ["laspec", "chain", "sage"])
-def test_generate_with_the_lean_forward_equals_plain(strategy, monkeypatch):
+@pytest.mark.parametrize("strategy,arch", [("laspec", "llama"), ("chain", "llama"), ("sage", "llama"),
+                                           ("laspec", "qwen3"), ("chain", "qwen3")])
+def test_generate_with_the_lean_forward_equals_plain(strategy, arch, monkeypatch):
     from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
 
-    target = build_model("llama", hidden_size=64)
-    inputs = make_inputs("llama", batch_size=2)
+    target = build_model(arch, hidden_size=64)
+    inputs = make_inputs(arch, batch_size=2)
     expected = target.generate(**inputs, max_new_tokens=20, do_sample=False)
     if strategy == "laspec":
         torch.manual_seed(0)
         drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
     else:
-        drafter = build_drafter("llama", target, "small")
+        drafter = build_drafter(arch, target, "small")
     calls = _lean_calls(monkeypatch)
     for on in (True, False):
         calls.clear()
@@ -158,7 +160,7 @@ def test_generate_with_the_lean_forward_equals_plain(strategy, monkeypatch):
                                   spec_strategy=strategy, return_dict_in_generate=True)
         assert torch.equal(out.sequences, expected)
         assert any(model is target for model in calls) == on
-        if strategy != "laspec":  # an independent Llama drafter's forwards run lean too
+        if strategy != "laspec":  # an independent drafter's forwards run lean too
             assert any(model is drafter for model in calls) == on
 
 

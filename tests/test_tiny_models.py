@@ -54,7 +54,7 @@ def _greedy(model, inputs, **kw) -> list[list[int]]:
 
 def test_constants():
     assert set(tm.VLM_ARCHS) < set(tm.ARCHS) and len(tm.VLM_ARCHS) == 6
-    assert set(tm.ARCHS) - set(tm.VLM_ARCHS) == {"llama", "qwen2"}
+    assert set(tm.ARCHS) - set(tm.VLM_ARCHS) == {"llama", "qwen2", "qwen3"}
     assert len(set(tm.SPECIAL_IDS)) == len(tm.SPECIAL_IDS)
     assert max(tm.SPECIAL_IDS) < tm.TEXT_TOKEN_RANGE[0] < tm.TEXT_TOKEN_RANGE[1] == tm.VOCAB_SIZE
 

@@ -45,8 +45,8 @@ import math
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-ARCHS = ("llama", "qwen2", "llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-TEXT_ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "qwen3", "llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+TEXT_ARCHS = ("llama", "qwen2", "qwen3")
 VLM_ARCHS = ("llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 QWEN_VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
@@ -72,7 +72,7 @@ EMBED_SCALE = 3.0
 _IMAGE_OUT_LAYERS = ("multi_modal_projector.linear_2", "merger.mlp.2", "merger.linear_fc2")
 _IMAGE_OUT_LAYERS += tuple(f"deepstack_merger_list.{i}.linear_fc2" for i in range(8))
 _IMAGE_OUT_SCALE = {"llava": 0.4, "llava_onevision": 0.4, "qwen2_vl": 0.12, "qwen2_5_vl": 0.12,
-                    "qwen3_vl": 0.12, "qwen3_vl_moe": 0.12, "llama": 1.0, "qwen2": 1.0}
+                    "qwen3_vl": 0.12, "qwen3_vl_moe": 0.12, "llama": 1.0, "qwen2": 1.0, "qwen3": 1.0}
 
 # --- vision geometry -------------------------------------------------------
 # Llava (CLIP): 8x8 image, patch 4 -> 2x2 = 4 patches (+CLS dropped) -> 4 image tokens.
@@ -148,6 +148,8 @@ def _make_config(arch: str, num_layers: int, hidden_size: int, vocab_size: int =
         return tf.LlamaConfig(**text, rope_parameters=dict(rope_default))
     if arch == "qwen2":
         return tf.Qwen2Config(**text, rope_parameters=dict(rope_default))
+    if arch == "qwen3":  # per-head q/k norms; Qwen3Config's head_dim defaults to 128, so it is set
+        return tf.Qwen3Config(**text, head_dim=head_dim, rope_parameters=dict(rope_default))
 
     vision_common = dict(
         num_hidden_layers=1,
@@ -271,6 +273,7 @@ def _make_config(arch: str, num_layers: int, hidden_size: int, vocab_size: int =
 _MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "llava": "LlavaForConditionalGeneration",
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
