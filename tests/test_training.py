@@ -866,6 +866,12 @@ def test_frequent_tokens_counts_the_answers():
     assert ids.tolist() == [1, 5] and coverage == pytest.approx(4 / 6)  # 1 x2, 5 x2, 7 x2: ties by id
     ids, coverage = frequent_tokens(examples, 3)
     assert ids.tolist() == [1, 5, 7] and coverage == 1.0
+    # a fine-tuned drafter's old vocabulary fills the places its new answers leave empty, in its order
+    ids, coverage = frequent_tokens(examples, 6, fill=[5, 8, 3, 8, 0])
+    assert ids.tolist() == [1, 5, 7, 8, 3, 0] and coverage == 1.0
+    ids, _ = frequent_tokens(examples, 5, fill=[4])  # fill runs out: unproduced tokens by id, as without it
+    assert ids.tolist() == [1, 5, 7, 4, 0]
+    assert frequent_tokens(examples, 2, fill=[4])[0].tolist() == [1, 5]  # fill never displaces a produced token
 
 
 def test_image_prompts_file(tmp_path, monkeypatch):

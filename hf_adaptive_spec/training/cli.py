@@ -92,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--init-from", default=None, metavar="DRAFTER",
                         help="start from this drafter's weights (a folder or shipped name made for the same target "
                              "and block size), e.g. to fine-tune a published drafter on your own prompts; with more "
-                             "--layers than it has, the extra layers start as the identity")
+                             "--layers than it has, the extra layers start as the identity; draft-vocabulary "
+                             "places the new answers leave empty keep its tokens")
     parser.add_argument("--eval-generate", type=int, default=0,
                         help="after training, run generate(spec_strategy='laspec') on N held-out prompts")
     parser.add_argument("--draft-vocab-size", type=int, default=16384,
@@ -256,14 +257,16 @@ def split_held_out(examples: list, fraction: float, seed: int = 0) -> tuple[list
             [example for example in examples if example.source in held_out])
 
 
-def set_frequent_vocabulary(drafter, train_examples: list, size: int) -> dict | None:
+def set_frequent_vocabulary(drafter, train_examples: list, size: int, fill=None) -> dict | None:
     """Give `drafter` the `size` tokens most frequent in the training answers as its draft vocabulary (none when
-    `size` is 0 or covers the whole vocabulary); returns `{"size", "train_coverage"}` for the model card."""
+    `size` is 0 or covers the whole vocabulary); places the answers leave empty go to `fill`'s tokens (the
+    `--init-from` drafter's vocabulary), see `frequent_tokens`. Returns `{"size", "train_coverage"}` for the
+    model card."""
     if not 0 < size < drafter.config.vocab_size:
         return None
     from .data import frequent_tokens
 
-    ids, coverage = frequent_tokens(train_examples, size)
+    ids, coverage = frequent_tokens(train_examples, size, fill=fill)
     drafter.set_draft_vocabulary(ids)
     return {"size": int(ids.numel()), "train_coverage": coverage}
 
@@ -351,13 +354,16 @@ def run(args) -> int:
     held_out = {example.source for example in eval_examples}
 
     drafter = LaSpecDrafterModel(drafter_config).to(accelerator.device).attach_target(target)
+    fill = None
     if args.init_from:
         from ..drafters.hub import load_drafter
 
-        initialize_from(drafter, load_drafter(args.init_from, target))
+        source = load_drafter(args.init_from, target)
+        initialize_from(drafter, source)
+        fill = source.draft_vocab  # what the new answers do not produce keeps the source's tokens
         print(f"initialized from {args.init_from}")
     # chosen before training: the drafter trains over the tokens it will draft from (and ~2x faster)
-    draft_vocab = set_frequent_vocabulary(drafter, train_examples, args.draft_vocab_size)
+    draft_vocab = set_frequent_vocabulary(drafter, train_examples, args.draft_vocab_size, fill=fill)
     if draft_vocab:
         print(f"draft vocabulary: {draft_vocab['size']} tokens, {100 * draft_vocab['train_coverage']:.2f}% of the "
               "training answers' tokens")

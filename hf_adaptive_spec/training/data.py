@@ -323,12 +323,16 @@ def _answered_ids(tokenizer, messages: list, max_answer_tokens: int) -> tuple[to
     return torch.cat([torch.tensor(prompt, dtype=torch.long), answer[:max_answer_tokens]]), len(prompt)
 
 
-def frequent_tokens(examples: list, size: int) -> tuple[torch.Tensor, float]:
+def frequent_tokens(examples: list, size: int, fill=None) -> tuple[torch.Tensor, float]:
     """The `size` tokens the target produces most often in `examples` (its greedy choices over the answers; all
     positions of plain text), most frequent first, and the share of those choices they cover.
 
     For [`~hf_adaptive_spec.LaSpecDrafterModel.set_draft_vocabulary`]: a drafter that scores only these tokens
-    misses the rest (coverage < 1) but runs a much smaller LM head."""
+    misses the rest (coverage < 1) but runs a much smaller LM head.
+
+    `fill` (token ids in priority order, e.g. the draft vocabulary of the drafter being fine-tuned): when the
+    examples produce fewer than `size` distinct tokens, the remaining places go to `fill`'s tokens not chosen
+    yet, in `fill`'s order (instead of tokens the examples never produce, taken by id)."""
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}.")
     answers = [example.labels[max(example.prompt_length - 1, 0):] for example in examples]
@@ -337,6 +341,20 @@ def frequent_tokens(examples: list, size: int) -> tuple[torch.Tensor, float]:
         raise ValueError("frequent_tokens needs examples with at least one label.")
     order = torch.sort(counts, descending=True, stable=True).indices[:size]
     coverage = float(counts[order].sum()) / float(counts.sum())
+    if fill is not None:
+        produced = order[counts[order] > 0]
+        fill = torch.as_tensor(fill, dtype=torch.long).flatten().cpu()
+        fresh = fill[~torch.isin(fill, produced)]
+        seen, ordered = set(produced.tolist()), []
+        for token in fresh.tolist():  # fill's order, duplicates dropped
+            if token not in seen:
+                seen.add(token)
+                ordered.append(token)
+        order = torch.cat([produced, torch.tensor(ordered[: size - produced.numel()], dtype=torch.long)])
+        if order.numel() < size:  # still short: tokens neither produces, by id, as without fill
+            rest = torch.sort(counts, descending=True, stable=True).indices
+            rest = rest[~torch.isin(rest, order)][: size - order.numel()]
+            order = torch.cat([order, rest])
     return order, coverage
 
 
