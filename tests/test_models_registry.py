@@ -576,6 +576,21 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
         assert tokenizer.decode(example.input_ids[example.prompt_length :]).startswith("```python\ndef ")
     drafter = load_drafter(out, model)
     assert drafter.has_target and drafter.config.fuse_previous_state and drafter.previous_proj is not None
+    # fine-tuned on other answers: the places those leave empty in the draft vocabulary keep the first one's
+    # tokens in its order (not unproduced tokens by id)
+    tuned = tmp_path / "tuned"
+    code = cli.main(["train-drafter", "--target", str(path), "--out", str(tuned), "--data", "stdlib_solutions[2:4]",
+                     "--teacher-dtype", "bfloat16", "--steps", "2", "--anchors", "4", "--batch-sequences", "2",
+                     "--eval-fraction", "0", "--eval-every", "0", "--checkpoint-every", "0", "--no-progress",
+                     "--fuse-previous-state", "--init-from", str(out)])
+    assert code == 0
+    first, second = drafter.draft_vocab.tolist(), load_drafter(tuned, model).draft_vocab.tolist()
+    info = json.loads((tuned / "training_log.json").read_text())
+    kept = info["draft_vocab"]["kept_from_init"]
+    assert len(second) == len(first) and 0 < kept < len(second)
+    produced = second[: len(second) - kept]
+    assert second[len(produced):] == [token for token in first if token not in set(produced)][:kept]
+    assert f"initialized from `{out}`" in (tuned / "README.md").read_text()
 
 
 def test_timed_training_example_on_real_smollm2(tmp_path_factory, tmp_path):

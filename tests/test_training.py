@@ -323,6 +323,10 @@ def test_folder_round_trip_model_card_and_hub_upload(setup, tmp_path, monkeypatc
         {"prompt": "HumanEval/30", "tau": 2.6, "speedup": 1.7, "same": True}], "num_parameters": 123}
     card = hub.write_model_card(tmp_path, info).read_text()
     assert "tiny-llama" in card and "tau_chain 1.500" in card and "HumanEval/30: tau 2.60, 1.70x" in card
+    assert "initialized from" not in card
+    info.update(init_from="my-drafter-v1", draft_vocab={"size": 100, "train_coverage": 1.0, "kept_from_init": 7})
+    card = hub.write_model_card(tmp_path, info).read_text()
+    assert "initialized from `my-drafter-v1`" in card and "of which 7 places" in card
     loaded = load_drafter(tmp_path, target)
     assert loaded.has_target
     for a, b in zip(drafter.state_dict().values(), loaded.state_dict().values()):
@@ -651,7 +655,7 @@ def test_stdlib_method_and_doc_prompts():
     assert {p.category for p in docs} <= {"extraction", "writing", "coding", "stem"}
     assert len({p.messages[0]["content"].split("\n")[0] for p in docs}) > 5  # several kinds of request
     assert set(PROMPT_SOURCES) == {"stdlib", "stdlib_methods", "templates", "docs", "stdlib_solutions",
-                                   "stdlib_method_solutions", "doc_explanations", "shakespeare"}
+                                   "stdlib_method_solutions", "doc_explanations", "shakespeare", "prose"}
 
 
 _PLAY = ("THE TEMPEST\n\nby William Shakespeare\n\n\nMIRANDA.\nIf by your art, my dearest father, you have\n"

@@ -112,11 +112,16 @@ def write_model_card(folder, info: dict) -> Path:
         f"{info.get('num_parameters', '?')} parameters, block {config.get('block_size')}",
         f"- training time: {info.get('train_seconds', 0):.0f} s on {info.get('device', '?')}",
     ]
+    if info.get("init_from"):
+        lines.append(f"- initialized from `{info['init_from']}` (fine-tuned with `--init-from`)")
     vocab = info.get("draft_vocab")
     if vocab:
+        kept = vocab.get("kept_from_init")
         lines.append(f"- draft vocabulary: the {vocab['size']} tokens the target produced most often in the training "
-                     f"answers ({100 * vocab['train_coverage']:.2f}% of them); the drafter never proposes others, "
-                     "the target still verifies every token")
+                     f"answers ({100 * vocab['train_coverage']:.2f}% of them)"
+                     + (f", of which {kept} places the answers left empty keep the initial drafter's tokens"
+                        if kept else "")
+                     + "; the drafter never proposes others, the target still verifies every token")
     lines += ["", "## Measured"]
     if last:
         lines.append(f"- held-out teacher-forced chain acceptance: {last['accepted']:.3f} tokens per block "

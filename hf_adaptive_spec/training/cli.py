@@ -268,7 +268,11 @@ def set_frequent_vocabulary(drafter, train_examples: list, size: int, fill=None)
 
     ids, coverage = frequent_tokens(train_examples, size, fill=fill)
     drafter.set_draft_vocabulary(ids)
-    return {"size": int(ids.numel()), "train_coverage": coverage}
+    info = {"size": int(ids.numel()), "train_coverage": coverage}
+    if fill is not None:  # places the training answers left empty: the source drafter's tokens took them
+        produced = torch.cat([e.labels[max(e.prompt_length - 1, 0):] for e in train_examples]).unique()
+        info["kept_from_init"] = int((~torch.isin(ids, produced)).sum())
+    return info
 
 
 def save_drafter_folder(drafter, out, train_examples: list, eval_examples: list, result: dict, *, target: str,
@@ -388,7 +392,7 @@ def run(args) -> int:
     save_drafter_folder(drafter, out, train_examples, eval_examples, result, target=args.target,
                         data_description=description, train_seconds=train_seconds, device=str(accelerator.device),
                         draft_vocab=draft_vocab, save_dtype=getattr(torch, args.save_dtype),
-                        generate_eval=generate_eval)
+                        generate_eval=generate_eval, init_from=args.init_from)
     print(f"saved the drafter to {out}")
     if result["evals"]:
         print(f"held-out tau_chain {result['evals'][-1]['tau_chain']:.3f}")
