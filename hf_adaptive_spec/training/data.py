@@ -24,7 +24,7 @@ import torch
 from ..compat import cache_argument
 from ..drafters.laspec import gather_target_hidden
 
-__all__ = ["DrafterExample", "EncodedPrompt", "build_examples", "frequent_tokens", "examples_from_sequences", "load_examples", "save_examples"]
+__all__ = ["DrafterExample", "EncodedPrompt", "build_examples", "answer_token_counts", "frequent_tokens", "examples_from_sequences", "load_examples", "save_examples"]
 
 
 @dataclass
@@ -323,9 +323,16 @@ def _answered_ids(tokenizer, messages: list, max_answer_tokens: int) -> tuple[to
     return torch.cat([torch.tensor(prompt, dtype=torch.long), answer[:max_answer_tokens]]), len(prompt)
 
 
+def answer_token_counts(examples: list) -> torch.Tensor:
+    """How often the target chooses each token id over the answers of `examples` (its greedy labels from the
+    answer's first position on; all positions of plain text): a `bincount`, as long as the largest id + 1."""
+    answers = [example.labels[max(example.prompt_length - 1, 0):] for example in examples]
+    return torch.bincount(torch.cat(answers)) if answers else torch.zeros(0, dtype=torch.long)
+
+
 def frequent_tokens(examples: list, size: int, fill=None) -> tuple[torch.Tensor, float]:
-    """The `size` tokens the target produces most often in `examples` (its greedy choices over the answers; all
-    positions of plain text), most frequent first, and the share of those choices they cover.
+    """The `size` tokens the target produces most often in `examples` ([`answer_token_counts`]), most frequent
+    first, and the share of those choices they cover.
 
     For [`~hf_adaptive_spec.LaSpecDrafterModel.set_draft_vocabulary`]: a drafter that scores only these tokens
     misses the rest (coverage < 1) but runs a much smaller LM head.
@@ -335,26 +342,19 @@ def frequent_tokens(examples: list, size: int, fill=None) -> tuple[torch.Tensor,
     yet, in `fill`'s order (instead of tokens the examples never produce, taken by id)."""
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}.")
-    answers = [example.labels[max(example.prompt_length - 1, 0):] for example in examples]
-    counts = torch.bincount(torch.cat(answers)) if answers else torch.zeros(0, dtype=torch.long)
+    counts = answer_token_counts(examples)
     if int(counts.sum()) == 0:
         raise ValueError("frequent_tokens needs examples with at least one label.")
-    order = torch.sort(counts, descending=True, stable=True).indices[:size]
+    ranked = torch.sort(counts, descending=True, stable=True).indices
+    order = ranked[:size]
     coverage = float(counts[order].sum()) / float(counts.sum())
     if fill is not None:
         produced = order[counts[order] > 0]
         fill = torch.as_tensor(fill, dtype=torch.long).flatten().cpu()
-        fresh = fill[~torch.isin(fill, produced)]
-        seen, ordered = set(produced.tolist()), []
-        for token in fresh.tolist():  # fill's order, duplicates dropped
-            if token not in seen:
-                seen.add(token)
-                ordered.append(token)
-        order = torch.cat([produced, torch.tensor(ordered[: size - produced.numel()], dtype=torch.long)])
+        fresh = list(dict.fromkeys(fill[~torch.isin(fill, produced)].tolist()))  # fill's order, no repeats
+        order = torch.cat([produced, torch.tensor(fresh[: size - produced.numel()], dtype=torch.long)])
         if order.numel() < size:  # still short: tokens neither produces, by id, as without fill
-            rest = torch.sort(counts, descending=True, stable=True).indices
-            rest = rest[~torch.isin(rest, order)][: size - order.numel()]
-            order = torch.cat([order, rest])
+            order = torch.cat([order, ranked[~torch.isin(ranked, order)][: size - order.numel()]])
     return order, coverage
 
 
