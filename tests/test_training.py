@@ -700,6 +700,23 @@ def test_sharegpt_prompts_filter_and_answer(tmp_path, monkeypatch):
         prompt_module.sharegpt_prompts(seed=0, cache_dir=tmp_path / "other", downloader=downloader)
 
 
+def test_data_description_names_generated_and_answered_sets():
+    import argparse
+
+    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.training.cli import _data_description
+
+    asked = Prompt("a/0", "a", "chat", [{"role": "user", "content": "Hi?"}])
+    answered = Prompt("b/0", "b", "chat", [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hi."}])
+    args = argparse.Namespace(samples_per_prompt=2, sample_temperature=0.7, max_new_tokens=64, prompts="/x/mine.jsonl")
+    text = _data_description(args, [("a[:1]", [asked]), ("b[:1]", [answered]), ("mixed", [asked, answered]),
+                                    ("none[5:]", [])])
+    assert text == ("the target's greedy answers (plus 1 sampled at T=0.7) (64 tokens max) to the prompts a[:1] mixed "
+                    "none[5:] and the real answers of b[:1] (256 tokens max, not generated) and the prompts of "
+                    "mine.jsonl (answered by the target unless they end with an assistant message) (hf_adaptive_spec "
+                    "order), teacher-forced; blocks anchored in the answers")
+
+
 def test_cli_data_specs_include_the_extra_prompt_sources():
     from hf_adaptive_spec.training.cli import _prompts
 

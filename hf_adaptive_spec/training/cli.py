@@ -154,20 +154,23 @@ def image_prompts(path, processor) -> list:
     return _read_jsonl(path, "--image-prompts", '{"image": PATH, "prompt": TEXT}', parse)
 
 
-def _prompts(specs: list, seed: int = 0) -> list:
+def _prompts_by_spec(specs: list, seed: int = 0) -> list:
+    """`[(spec, its prompts), ...]` for `--data` specs; a ValueError when none selects a prompt."""
     from ..data import load_prompts
     from .prompts import PROMPT_SOURCES
 
-    prompts = []
+    selected = []
     for spec in specs:
         name, part = parse_data_spec(spec)
-        if name in PROMPT_SOURCES:
-            prompts.extend(PROMPT_SOURCES[name](seed=seed)[part])
-        else:
-            prompts.extend(load_prompts(name)[part])
-    if not prompts and specs:
+        selected.append((spec, PROMPT_SOURCES[name](seed=seed)[part] if name in PROMPT_SOURCES
+                         else load_prompts(name)[part]))
+    if specs and not any(prompts for _, prompts in selected):
         raise ValueError(f"--data {specs} selects no prompts.")
-    return prompts
+    return selected
+
+
+def _prompts(specs: list, seed: int = 0) -> list:
+    return [prompt for _, prompts in _prompts_by_spec(specs, seed) for prompt in prompts]
 
 
 def prompts_file(path) -> list:
@@ -312,6 +315,29 @@ def save_drafter_folder(drafter, out, train_examples: list, eval_examples: list,
     return info
 
 
+def _data_description(args, by_spec: list) -> str:
+    """The model card's data line: which `--data` sets the target answered and which came answered (their own
+    real answers, teacher-forced), as given on the command line (`by_spec`: [`_prompts_by_spec`])."""
+    from .data import MAX_TEXT_TOKENS
+
+    generated, answered = [], []
+    for spec, prompts in by_spec:
+        came_answered = bool(prompts) and all(p.messages[-1]["role"] == "assistant" for p in prompts)
+        (answered if came_answered else generated).append(spec)
+    sampled = (f" (plus {args.samples_per_prompt - 1} sampled at T={args.sample_temperature})"
+               if args.samples_per_prompt > 1 else "")
+    parts = []
+    if generated:
+        parts.append(f"the target's greedy answers{sampled} ({args.max_new_tokens} tokens max) to the prompts "
+                     f"{' '.join(generated)}")
+    if answered:
+        parts.append(f"the real answers of {' '.join(answered)} ({MAX_TEXT_TOKENS} tokens max, not generated)")
+    if args.prompts:
+        parts.append(f"the prompts of {Path(args.prompts).name} (answered by the target unless they end with an "
+                     f"assistant message)")
+    return (f"{' and '.join(parts)} (hf_adaptive_spec order), teacher-forced; blocks anchored in the answers")
+
+
 def run(args) -> int:
     from accelerate import Accelerator
 
@@ -339,7 +365,8 @@ def run(args) -> int:
                                                     target_model_name=args.target)
     cache = Path(args.data_cache) if args.data_cache else None
     generate_dtype = None if args.generate_dtype == "same" else getattr(torch, args.generate_dtype)
-    prompts = _prompts(args.data, seed=args.seed)
+    by_spec = _prompts_by_spec(args.data, seed=args.seed)
+    prompts = [prompt for _, selected in by_spec for prompt in selected]
     if args.prompts:
         prompts += prompts_file(args.prompts)
     if cache is not None and cache.exists():
@@ -388,11 +415,7 @@ def run(args) -> int:
         chosen = [p for p in prompts if p.id in held_out and p.messages[-1]["role"] != "assistant"]
         chosen = chosen[: args.eval_generate]
         generate_eval = _generate_eval(target, tokenizer, drafter, chosen, args.max_new_tokens)
-    description = (
-        f"the target's greedy answers{f' (plus {args.samples_per_prompt - 1} sampled at T={args.sample_temperature})' if args.samples_per_prompt > 1 else ''}"
-        f" ({args.max_new_tokens} tokens max) to the prompts {' '.join(args.data)} (hf_adaptive_spec "
-        f"order){f' and those of {Path(args.prompts).name}' if args.prompts else ''}, teacher-forced; blocks "
-        f"anchored in the answers")
+    description = _data_description(args, by_spec)
     save_drafter_folder(drafter, out, train_examples, eval_examples, result, target=args.target,
                         data_description=description, train_seconds=train_seconds, device=str(accelerator.device),
                         draft_vocab=draft_vocab, save_dtype=getattr(torch, args.save_dtype),

@@ -182,9 +182,13 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
     return examples
 
 
+#: tokens kept of a plain text or of an answered prompt's real answer (teacher-forced, never generated)
+MAX_TEXT_TOKENS = 256
+
+
 @torch.no_grad()
 def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=(), max_new_tokens: int = 128,
-                   batch_size: int = 8, max_text_tokens: int = 256, progress: bool = True,
+                   batch_size: int = 8, max_text_tokens: int = MAX_TEXT_TOKENS, progress: bool = True,
                    samples_per_prompt: int = 1, temperature: float = 0.7, generate_dtype=None,
                    num_visual_tokens: int = 8, batch_tokens: int = 0, teacher_dtype=None) -> list:
     """Examples from the target's greedy answers to `prompts` and from plain `texts`.
