@@ -578,6 +578,9 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
         assert tokenizer.decode(example.input_ids[example.prompt_length :]).startswith("```python\ndef ")
     drafter = load_drafter(out, model)
     assert drafter.has_target and drafter.config.fuse_previous_state and drafter.previous_proj is not None
+    with pytest.raises(ValueError, match="d.pt was made for other prompts"):  # the cache, other --data
+        cli.main(["train-drafter", "--target", str(path), "--out", str(tmp_path / "other"), "--data",
+                  "humaneval[30:33]", "--data-cache", str(tmp_path / "d.pt"), "--steps", "1", "--no-progress"])
     # fine-tuned on other answers: the places those leave empty in the draft vocabulary keep the first one's
     # tokens in its order (not unproduced tokens by id)
     tuned = tmp_path / "tuned"

@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--image-prompts", default=None, metavar="FILE.jsonl",
                         help="VLM targets: extra prompts with images, one JSON object per line: "
                              "{\"image\": PATH, \"prompt\": TEXT, \"id\": NAME} (paths relative to the file)")
-    parser.add_argument("--data-cache", default=None, help="reuse / store the target-made examples in this file")
+    parser.add_argument("--data-cache", default=None,
+                        help="reuse / store the target-made examples in this file (reused only for the prompts "
+                             "it was made for: other ones are an error)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="target answer length per prompt")
     parser.add_argument("--samples-per-prompt", type=int, default=1,
                         help="answers per prompt: the greedy one plus N-1 sampled ones (more training data)")
@@ -253,6 +255,21 @@ def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> 
     return rows
 
 
+def check_cache_prompts(examples: list, prompts: list, cache) -> None:
+    """A ValueError unless the `--data-cache` examples answer exactly the prompts that `--data` / `--prompts` /
+    `--image-prompts` select (by prompt id): a cache made for other prompts would train on data the model card
+    does not describe, or silently leave out the prompts added since."""
+    cached = {example.source for example in examples}
+    wanted = {getattr(prompt, "id", "prompt") for prompt in prompts}
+    missing, extra = sorted(wanted - cached), sorted(cached - wanted)
+    if missing or extra:
+        parts = [f"{len(missing)} selected prompt(s) it does not answer (e.g. {missing[:3]})" if missing else "",
+                 f"{len(extra)} prompt(s) not selected (e.g. {extra[:3]})" if extra else ""]
+        raise ValueError(f"--data-cache {cache} was made for other prompts than --data/--prompts select: it has "
+                         + " and ".join(part for part in parts if part) + ". Pass the --data it was made with, "
+                         "or another --data-cache file to make the examples anew.")
+
+
 def split_held_out(examples: list, fraction: float, seed: int = 0) -> tuple[list, list]:
     """`(train, held_out)` examples, split by prompt (`example.source`): all answers to a held-out prompt are
     held out, so sampled answers never leak into training."""
@@ -369,12 +386,13 @@ def run(args) -> int:
     prompts = [prompt for _, selected in by_spec for prompt in selected]
     if args.prompts:
         prompts += prompts_file(args.prompts)
+    if args.image_prompts:
+        prompts += image_prompts(args.image_prompts, processor)
     if cache is not None and cache.exists():
         examples = load_examples(cache)
+        check_cache_prompts(examples, prompts, cache)
         print(f"loaded {len(examples)} examples from {cache}")
     else:
-        if args.image_prompts:
-            prompts += image_prompts(args.image_prompts, processor)
         examples = build_examples(target, tokenizer, drafter_config.target_layer_ids, prompts=prompts,
                                   max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
                                   samples_per_prompt=args.samples_per_prompt, temperature=args.sample_temperature,
