@@ -724,6 +724,10 @@ def test_data_description_names_generated_and_answered_sets():
                     "none[5:] and the real answers of b[:1] (256 tokens max, not generated) and the prompts of "
                     "mine.jsonl (answered by the target unless they end with an assistant message) (hf_adaptive_spec "
                     "order), teacher-forced; blocks anchored in the answers")
+    from hf_adaptive_spec.training.data import EncodedPrompt, is_answered
+
+    assert [is_answered(p) for p in (asked, answered, answered.messages, EncodedPrompt("img/0", {}))] == [
+        False, True, True, False]  # a VLM prompt with its image is answered by the target (--eval-generate too)
 
 
 def test_cli_data_specs_include_the_extra_prompt_sources():

@@ -259,8 +259,10 @@ def check_cache_prompts(examples: list, prompts: list, cache) -> None:
     """A ValueError unless the `--data-cache` examples answer exactly the prompts that `--data` / `--prompts` /
     `--image-prompts` select (by prompt id): a cache made for other prompts would train on data the model card
     does not describe, or silently leave out the prompts added since."""
+    from .data import prompt_source
+
     cached = {example.source for example in examples}
-    wanted = {getattr(prompt, "id", "prompt") for prompt in prompts}
+    wanted = {prompt_source(prompt) for prompt in prompts}
     missing, extra = sorted(wanted - cached), sorted(cached - wanted)
     if missing or extra:
         parts = [f"{len(missing)} selected prompt(s) it does not answer (e.g. {missing[:3]})" if missing else "",
@@ -335,12 +337,11 @@ def save_drafter_folder(drafter, out, train_examples: list, eval_examples: list,
 def _data_description(args, by_spec: list) -> str:
     """The model card's data line: which `--data` sets the target answered and which came answered (their own
     real answers, teacher-forced), as given on the command line (`by_spec`: [`_prompts_by_spec`])."""
-    from .data import MAX_TEXT_TOKENS
+    from .data import MAX_TEXT_TOKENS, is_answered
 
     generated, answered = [], []
     for spec, prompts in by_spec:
-        came_answered = bool(prompts) and all(p.messages[-1]["role"] == "assistant" for p in prompts)
-        (answered if came_answered else generated).append(spec)
+        (answered if prompts and all(map(is_answered, prompts)) else generated).append(spec)
     sampled = (f" (plus {args.samples_per_prompt - 1} sampled at T={args.sample_temperature})"
                if args.samples_per_prompt > 1 else "")
     parts = []
@@ -360,7 +361,7 @@ def run(args) -> int:
 
     from .. import LaSpecDrafterConfig, LaSpecDrafterModel
     from ..drafters.hub import push_drafter_to_hub
-    from .data import build_examples, load_examples, save_examples
+    from .data import build_examples, is_answered, load_examples, save_examples
     from .trainer import TrainConfig, train_drafter
 
     if args.threads:
@@ -430,7 +431,7 @@ def run(args) -> int:
     drafter.eval()
     generate_eval = []
     if args.eval_generate:
-        chosen = [p for p in prompts if p.id in held_out and p.messages[-1]["role"] != "assistant"]
+        chosen = [p for p in prompts if p.id in held_out and not is_answered(p)]
         chosen = chosen[: args.eval_generate]
         generate_eval = _generate_eval(target, tokenizer, drafter, chosen, args.max_new_tokens)
     description = _data_description(args, by_spec)

@@ -186,6 +186,20 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
 MAX_TEXT_TOKENS = 256
 
 
+def prompt_source(prompt) -> str:
+    """The `DrafterExample.source` of `prompt`'s examples: its id (`"prompt"` for a bare message list)."""
+    return getattr(prompt, "id", "prompt")
+
+
+def is_answered(prompt) -> bool:
+    """Whether `prompt` (a `Prompt` or a message list) ends with an assistant message: its real answer is
+    teacher-forced, never generated. An `EncodedPrompt` (a VLM prompt with its image) is always answered by the
+    target."""
+    if isinstance(prompt, EncodedPrompt):
+        return False
+    return getattr(prompt, "messages", prompt)[-1]["role"] == "assistant"
+
+
 @torch.no_grad()
 def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=(), max_new_tokens: int = 128,
                    batch_size: int = 8, max_text_tokens: int = MAX_TEXT_TOKENS, progress: bool = True,
@@ -230,9 +244,8 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     encoded_prompts = [prompt for prompt in prompts if isinstance(prompt, EncodedPrompt)]
     prompts = [prompt for prompt in prompts if not isinstance(prompt, EncodedPrompt)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    is_answered = {id(prompt): getattr(prompt, "messages", prompt)[-1]["role"] == "assistant" for prompt in prompts}
-    answered = [prompt for prompt in prompts if is_answered[id(prompt)]]
-    prompts = [prompt for prompt in prompts if not is_answered[id(prompt)]]
+    answered = [prompt for prompt in prompts if is_answered(prompt)]
+    prompts = [prompt for prompt in prompts if not is_answered(prompt)]
     answerer = target if generate_dtype is None or generate_dtype == target.dtype or not (prompts or encoded_prompts) \
         else copy.deepcopy(target).to(generate_dtype)  # no copy when nothing is generated
     all_encoded = []
@@ -249,7 +262,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     for prompt in answered:
         ids, prompt_length = _answered_ids(tokenizer, getattr(prompt, "messages", prompt), max_text_tokens)
         sequences.append(ids)
-        sources.append(getattr(prompt, "id", "prompt"))
+        sources.append(prompt_source(prompt))
         prompt_lengths.append(prompt_length)
         extras.append(None)
         bar.update(1)
@@ -270,7 +283,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
             for row, (prompt, ids) in enumerate(zip(chunk, encoded)):
                 answer = _cut_at_eos(out[row, width:].cpu(), tokenizer.eos_token_id)
                 sequences.append(torch.cat([ids, answer]))
-                sources.append(getattr(prompt, "id", "prompt"))
+                sources.append(prompt_source(prompt))
                 prompt_lengths.append(len(ids))
                 extras.append(None)
         bar.update(len(chunk))
