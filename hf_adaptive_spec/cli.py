@@ -1,4 +1,4 @@
-"""The `hf-adaptive-spec` command: fetch, demo, generate, bench, train-drafter."""
+"""The `hf-adaptive-spec` command: fetch, demo, generate, bench, train-drafter, build-datastore."""
 
 from __future__ import annotations
 
@@ -213,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train-drafter", help="train a LaSpec drafter on data the target makes (accelerate)")
     train_cli.add_arguments(train)
     train.set_defaults(func=train_cli.run)
+
+    from .training import datastore_cli
+
+    store = sub.add_parser("build-datastore",
+                           help="the target's answers to training prompts as a drafter's datastore (laspec)")
+    datastore_cli.add_arguments(store)
+    store.set_defaults(func=datastore_cli.run)
     return parser
 
 

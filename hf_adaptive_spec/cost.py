@@ -214,13 +214,14 @@ class AcceptanceCalibrator:
 
 
 class LookupCalibrator:
-    """P(target accepts a context-lookup node | its parent was accepted), per suffix length that found it and
-    per whether the drafter proposed the same node (agreement).
+    """P(target accepts a lookup node | its parent was accepted), per lookup code (its source and class: the
+    context's suffix length, `lookup.lookup_code`, or a datastore node's support, `lookup.store_code`) and per
+    whether the drafter proposed the same node (agreement).
 
     Starts at `prior` with `prior_weight` pseudo-counts, updated from every verified lookup node.
     """
 
-    def __init__(self, max_match: int = 8, prior: float = 0.5, prior_weight: float = 2.0, device=None):
+    def __init__(self, max_match: int = 31, prior: float = 0.5, prior_weight: float = 2.0, device=None):
         self.max_match = max_match
         self.accepted = torch.full((2, max_match + 1), prior * prior_weight, device=device)
         self.total = torch.full((2, max_match + 1), prior_weight, device=device)

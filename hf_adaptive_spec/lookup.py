@@ -23,7 +23,29 @@ import torch
 
 from .tree import DraftTree
 
-__all__ = ["add_chain", "context_lookup"]
+__all__ = ["MAX_LOOKUP_CODE", "STORE_CODE_OFFSET", "add_chain", "context_lookup", "lookup_code", "store_code"]
+
+#: a lookup node's `DraftTree.lookup` value names its source, the key under which the cost rule learns its
+#: acceptance: context lookup 1..15 (the matched suffix length), datastore lookup (`hf_adaptive_spec.datastore`)
+#: 17..31 (the node's support class, `store_code`)
+STORE_CODE_OFFSET = 16
+MAX_LOOKUP_CODE = 2 * STORE_CODE_OFFSET - 1
+
+
+def lookup_code(match):
+    """The `DraftTree.lookup` value of a context-lookup chain found by a suffix of length `match` (an int or a
+    tensor; 0 = no chain stays 0)."""
+    if isinstance(match, torch.Tensor):
+        return match.clamp(0, STORE_CODE_OFFSET - 1)
+    return max(0, min(int(match), STORE_CODE_OFFSET - 1))
+
+
+def store_code(agreeing: int, voting: int) -> int:
+    """The `DraftTree.lookup` value of a datastore node that `agreeing` of `voting` occurrences continue with
+    (`TokenDatastore.propose_with_support`): 5 share classes (by fifths) x 3 support sizes (< 3, < 20, more)."""
+    share = min(int(5 * agreeing / max(voting, 1)), 4)
+    size = 0 if voting < 3 else 1 if voting < 20 else 2
+    return STORE_CODE_OFFSET + 1 + 3 * share + size
 
 
 def context_lookup(ids: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor, max_ngram: int,
@@ -74,8 +96,9 @@ def add_chain(tree: DraftTree, tokens: torch.Tensor, valid: torch.Tensor, match:
 
     Where the chain's next token is already a child of the current node the node is shared, else a new node
     is appended (parents stay before children; siblings stay distinct). Every node on the chain gets `lookup` =
-    the row's `match` (`(B,)`, the suffix length that found the chain), the others 0; appended nodes have
-    drafter probability 0 (the drafter did not propose them) and no drafter slot, shared ones keep theirs.
+    the row's `match` (`(B,)`, the code of the chain, `lookup_code`; or `(B, K)`, one code per chain node), the
+    others 0; appended nodes have drafter probability 0 (the drafter did not propose them) and no drafter slot,
+    shared ones keep theirs.
     """
     if tree.draft_probs is not None:
         raise ValueError("add_chain: a sampled tree (draft_probs) cannot take lookup nodes (greedy only).")
@@ -89,8 +112,10 @@ def add_chain(tree: DraftTree, tokens: torch.Tensor, valid: torch.Tensor, match:
     current = torch.zeros(batch, dtype=torch.long, device=device)  # the root
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     num_levels = tree.num_levels
+    per_node = match.dim() == 2
     for depth in range(1, tokens.shape[1] + 1):
         token = tokens[:, depth - 1]
+        code = match[:, depth - 1] if per_node else match
         alive = alive & valid[:, depth - 1]
         existing = all_valid & (all_parents == current[:, None]) & (all_tokens == token[:, None])
         shared = existing.any(-1) & alive
@@ -99,14 +124,14 @@ def add_chain(tree: DraftTree, tokens: torch.Tensor, valid: torch.Tensor, match:
             break
         found = existing.to(torch.int8).argmax(-1)  # a drafter node: nodes appended here have no children yet
         next_current = torch.where(shared, found, current)
-        lookup.scatter_(1, found[:, None], torch.where(shared, match, lookup.gather(1, found[:, None])[:, 0])[:, None])
+        lookup.scatter_(1, found[:, None], torch.where(shared, code, lookup.gather(1, found[:, None])[:, 0])[:, None])
         if bool(new.any()):
             index = all_tokens.shape[1]
             added = {"tokens": torch.where(new, token, 0), "parents": torch.where(new, current, -1),
                      "valid": new, "probs": torch.zeros(batch, device=device),
                      "cum_probs": torch.zeros(batch, device=device), "depths": torch.where(new, depth, 0),
                      "drafter_slot": torch.full((batch,), -1, dtype=torch.long, device=device),
-                     "lookup": torch.where(new, match, 0)}
+                     "lookup": torch.where(new, code, 0)}
             for name, value in added.items():
                 columns[name].append(value[:, None].to(columns[name][0].dtype))
             all_tokens = torch.cat([all_tokens, added["tokens"][:, None]], dim=1)

@@ -111,6 +111,17 @@ class _Clock:
         return elapsed
 
 
+def _drafter_datastore(drafter, config):
+    """The datastore a block-drafter round adds to its trees: the drafter's own (`LaSpecDrafterModel.datastore`)
+    unless the strategy's `datastore` setting is False; True insists that the drafter carries one."""
+    wanted = getattr(config, "datastore", False)
+    store = getattr(drafter, "datastore", None)
+    if wanted is True and store is None:
+        raise ValueError("spec_config datastore=True, but the drafter carries no datastore (load one from a folder "
+                         "with datastore.safetensors, or `drafter.set_datastore(TokenDatastore...)`).")
+    return None if wanted is False else store
+
+
 def _check_generation_config(generation_config, model_kwargs, streamer, batch_size):
     if generation_config.num_beams not in (None, 1):
         raise ValueError("spec_strategy does not support beam search (num_beams > 1).")
@@ -202,7 +213,9 @@ def _speculative_decode(
         drafter = BlockDrafter(assistant_model, model, block_size=getattr(config, "block_size", None),
                                num_visual_tokens=getattr(config, "num_visual_tokens", None),
                                context_lookup=getattr(config, "context_lookup", 0),
-                               lookup_tokens=getattr(config, "lookup_tokens", None))
+                               lookup_tokens=getattr(config, "lookup_tokens", None),
+                               datastore=_drafter_datastore(assistant_model, config),
+                               datastore_tokens=getattr(config, "datastore_tokens", None))
     with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext():
         outputs = model._prefill(input_ids, generation_config, prefill_kwargs)
     if cache.get_seq_length() != input_ids.shape[1]:

@@ -7,9 +7,10 @@ import torch
 
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
 from hf_adaptive_spec.cost import Calibration, CostModel, CostProfile
+from hf_adaptive_spec.datastore import TokenDatastore
 from hf_adaptive_spec.drafters import block as block_module
 from hf_adaptive_spec.drafters import host_tree
-from hf_adaptive_spec.lookup import context_lookup
+from hf_adaptive_spec.lookup import MAX_LOOKUP_CODE, context_lookup
 from hf_adaptive_spec.strategies import resolve_config
 from hf_adaptive_spec.strategies.laspec import LaSpecStrategy
 from tiny_models import build_model, make_inputs
@@ -60,6 +61,12 @@ def test_host_tree_equals_tensor_tree(pair, kind, monkeypatch):
                                 torch.device("cpu"))
         strategy = LaSpecStrategy(config, 1, torch.device("cpu"))
         scores = _scores(gen, block_size, vocab, kind)
+        store = None
+        if rng.random() < 0.5:  # a datastore of short random sequences over the row's few token ids
+            sequences = [torch.randint(0, 6, (rng.randint(1, 12),), generator=gen).tolist() for _ in range(12)]
+            sequences.append(scores[0].argmax(-1).tolist())  # sometimes agreeing with the drafter
+            store = TokenDatastore.from_sequences(sequences, min_ngram=1, max_ngram=rng.choice([2, 4]))
+        state.datastore, state.datastore_tokens = store, rng.choice([state.lookup_tokens, 3])
         # a committed row that repeats itself, behind left padding, with the sure tokens in it now and then
         length, start = rng.randint(2, 40), rng.randint(0, 3)
         ids = torch.zeros(1, 64, dtype=torch.long)
@@ -102,8 +109,8 @@ def _random_cost_model(rng, gen):
     calibration = Calibration.fresh()
     calibration.acceptance.accepted = torch.rand(20, generator=gen) * 5
     calibration.acceptance.total = calibration.acceptance.accepted + torch.rand(20, generator=gen) * 5 + 0.1
-    calibration.lookup.accepted = torch.rand(2, 9, generator=gen) * 5
-    calibration.lookup.total = calibration.lookup.accepted + torch.rand(2, 9, generator=gen) * 5 + 0.1
+    calibration.lookup.accepted = torch.rand(2, MAX_LOOKUP_CODE + 1, generator=gen) * 5
+    calibration.lookup.total = calibration.lookup.accepted + torch.rand(2, MAX_LOOKUP_CODE + 1, generator=gen) * 5 + 0.1
     cost = CostModel(CostProfile(sizes=sizes, seconds=seconds), max_tokens=64, device="cpu", calibration=calibration)
     cost.scale = rng.uniform(0.5, 2.0)
     cost.seconds_per_token = torch.tensor(rng.uniform(0.01, 0.2))

@@ -622,3 +622,58 @@ def test_timed_training_example_on_real_smollm2(tmp_path_factory, tmp_path):
     assert "held-out teacher-forced chain acceptance" in (out / "README.md").read_text()
     model, _ = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
     assert load_drafter(out, model).draft_vocab is not None
+
+
+def test_build_datastore_command_on_real_smollm2(tmp_path_factory, tmp_path):
+    """build-datastore end to end on the real target (2 prompts answered greedily, 2 real answers tokenized): the
+    store goes into a drafter folder, loads with it, reuses its answers cache, and laspec with it stays exact."""
+    torch = pytest.importorskip("torch")
+    from hf_adaptive_spec import cli, load_drafter
+    from hf_adaptive_spec.datastore import DATASTORE_FILE
+    from hf_adaptive_spec.drafters.hub import drafter_path
+    from hf_adaptive_spec.training.cli import _prompts
+
+    root, path = _fetch_real_smollm2(tmp_path_factory)
+    folder = tmp_path / "drafter"
+    shutil.copytree(drafter_path("laspec-smollm2-135m-instruct"), folder)
+    cache = tmp_path / "answers.json"
+    args = ["build-datastore", "--target", str(path), "--data", "humaneval[30:32]", "stdlib_solutions[:2]",
+            "--out", str(folder), "--answers-cache", str(cache), "--max-new-tokens", "12", "--no-progress"]
+    assert cli.main(args) == 0
+    answers = json.loads(cache.read_text())
+    generated = _prompts(["humaneval[30:32]"])
+    assert sorted(answers) == sorted(p.id for p in generated) and all(1 <= len(a) <= 12 for a in answers.values())
+    model, tokenizer = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
+    for prompt in generated:  # each cached answer is the target's greedy answer (fp32, as loaded)
+        enc = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+        plain = model.generate(**enc, max_new_tokens=12, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+        assert answers[prompt.id] == plain
+    real = [tokenizer(p.messages[-1]["content"], add_special_tokens=False)["input_ids"]
+            for p in _prompts(["stdlib_solutions[:2]"])]
+    drafter = load_drafter(folder, model)
+    store = drafter.datastore
+    assert (folder / DATASTORE_FILE).is_file() and store.info["generated"] == 2 and store.info["answered"] == 2
+    expected = [token for sequence in [answers[p.id] for p in generated] + real for token in sequence + [-1]]
+    assert store.tokens.tolist() == expected
+    # a second run answers nothing anew: the cache's (edited) answers are what the store holds
+    answers[generated[0].id] = [5, 6, 7]
+    cache.write_text(json.dumps(answers))
+    assert cli.main(args) == 0
+    assert load_drafter(folder, model).datastore.tokens.tolist()[:4] == [5, 6, 7, -1]
+    enc = tokenizer.apply_chat_template(generated[1].messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)
+    plain = model.generate(**enc, max_new_tokens=24, do_sample=False)
+    spec = model.generate(**enc, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", spec_config={"datastore": True})
+    assert torch.equal(spec, plain)
+    with pytest.raises(SystemExit, match="not a LaSpec drafter folder"):
+        cli.main(["build-datastore", "--target", str(path), "--data", "humaneval[30:31]", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs --answers-cache"):
+        cli.main(["build-datastore", "--target", str(path), "--data", "humaneval[30:31]", "--out", str(folder),
+                  "--cached-only"])
+    # --cached-only: of humaneval[29:32], only the two cached prompts are kept, nothing is generated
+    assert cli.main(["build-datastore", "--target", str(path), "--data", "humaneval[29:32]", "--out", str(folder),
+                     "--answers-cache", str(cache), "--cached-only", "--no-progress"]) == 0
+    info = load_drafter(folder, model).datastore.info
+    assert info["generated"] == 2 and info["cached_only"] and json.loads(cache.read_text()) == answers

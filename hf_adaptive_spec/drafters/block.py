@@ -24,7 +24,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..lookup import add_chain, context_lookup
+from ..lookup import add_chain, context_lookup, lookup_code, store_code
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
 from .host_tree import HostTree, budget_tree, latest_match
@@ -71,10 +71,14 @@ class BlockDrafter:
         context_lookup (`int`): longest suffix matched for the context-lookup branch added to every greedy
             tree (`hf_adaptive_spec.lookup`; 0 = none).
         lookup_tokens (`int`, *optional*): tokens on that branch (default: the block size).
+        datastore ([`TokenDatastore`], *optional*): also add its proposal (`hf_adaptive_spec.datastore`) to every
+            greedy tree, as one more branch.
+        datastore_tokens (`int`, *optional*): tokens on that branch (default: `lookup_tokens`).
     """
 
     def __init__(self, model: LaSpecDrafterModel, target, block_size: int | None = None,
-                 num_visual_tokens: int | None = None, context_lookup: int = 0, lookup_tokens: int | None = None):
+                 num_visual_tokens: int | None = None, context_lookup: int = 0, lookup_tokens: int | None = None,
+                 datastore=None, datastore_tokens: int | None = None):
         if not isinstance(model, LaSpecDrafterModel):
             raise ValueError(f"BlockDrafter needs a LaSpecDrafterModel, got {type(model).__name__}.")
         embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -87,6 +91,8 @@ class BlockDrafter:
         self.num_visual_tokens = config.num_visual_tokens if num_visual_tokens is None else num_visual_tokens
         self.context_lookup = context_lookup
         self.lookup_tokens = lookup_tokens or self.block_size
+        self.datastore = datastore
+        self.datastore_tokens = datastore_tokens or self.lookup_tokens
         self.layer_ids = list(config.target_layer_ids)
         num_layers = target.config.get_text_config().num_hidden_layers
         bad = [layer for layer in self.layer_ids if not 0 <= layer < num_layers]
@@ -229,18 +235,30 @@ class BlockDrafter:
         """
         tree = self._draft_tree(strategy, process, max_depth, sample, generator)
         lookup = self.context_lookup and context is not None and not sample
+        store = self.datastore is not None and context is not None and not sample
+        # the datastore's chain first, then the context's: a node both propose is learned as a context node
         if isinstance(tree, HostTree):
-            if lookup:
+            if store or lookup:
                 ids, lengths, start = context
-                chain, match = latest_match(ids[0, int(start[0]):int(lengths[0])].tolist(), self.context_lookup,
-                                            self.lookup_tokens)
-                tree.add_chain(chain[: max(int(max_depth[0]), 0)], match)
+                row = ids[0, int(start[0]):int(lengths[0])].tolist()
+                depth = max(int(max_depth[0]), 0)
+            if store:
+                chain, _, support = self.datastore.propose_with_support(row, self.datastore_tokens)
+                tree.add_chain(chain[:depth], [store_code(*pair) for pair in support[:depth]])
+            if lookup:
+                chain, match = latest_match(row, self.context_lookup, self.lookup_tokens)
+                tree.add_chain(chain[:depth], lookup_code(match))
             return tree.to_draft_tree(self.root.device)
-        if lookup:
+        if store or lookup:
             ids, lengths, start = context
+        if store:
+            tokens, valid, _, codes = self.datastore.propose_batch(ids, lengths, start, self.datastore_tokens)
+            valid &= torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= max_depth[:, None]
+            tree = add_chain(tree, tokens, valid, codes)
+        if lookup:
             tokens, valid, match = context_lookup(ids, lengths, start, self.context_lookup, self.lookup_tokens)
             valid &= torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= max_depth[:, None]
-            tree = add_chain(tree, tokens, valid, match)
+            tree = add_chain(tree, tokens, valid, lookup_code(match))
         return tree
 
     def root_tree(self) -> DraftTree:

@@ -54,12 +54,16 @@ class HostTree:
         self.depths.append(depth)
         return len(self.tokens) - 1
 
-    def add_chain(self, chain: list[int], match: int) -> None:
+    def add_chain(self, chain: list[int], match) -> None:
         """Hang `chain` under the root, sharing nodes where its next token is already a child (as
-        `lookup.add_chain`): chain nodes get `lookup` = `match`, appended ones drafter probability 0."""
-        self.lookup = [0] * len(self.tokens)
+        `lookup.add_chain`): chain nodes get `lookup` = `match` (one code, or a list with one per chain node),
+        appended ones drafter probability 0. A second chain (the context's after a datastore's) merges the same
+        way; a shared node takes the later code."""
+        if self.lookup is None:
+            self.lookup = [0] * len(self.tokens)
+        codes = list(match) if isinstance(match, (list, tuple)) else [match] * len(chain)
         current = 0
-        for depth, token in enumerate(chain, start=1):
+        for depth, (token, match) in enumerate(zip(chain, codes), start=1):
             child = next((i for i in range(current + 1, len(self.tokens))
                           if self.parents[i] == current and self.tokens[i] == token), None)
             if child is None:

@@ -45,6 +45,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -476,7 +477,58 @@ class LaSpecDrafterModel(PreTrainedModel):
         # the target's (embedding, lm_head): plain references, never sub-modules (not saved, not moved)
         self.__dict__["_target_modules"] = None
         self.__dict__["_draft_head"] = None  # (key, weight rows of draft_vocab), rebuilt when either changes
+        self.__dict__["datastore"] = None  # TokenDatastore or None: saved beside the weights (`datastore.safetensors`)
         self.post_init()
+
+    # ---- datastore (`hf_adaptive_spec.datastore`): saved and loaded with the weights
+
+    def set_datastore(self, datastore) -> LaSpecDrafterModel:
+        """Carry a [`TokenDatastore`] (or `None`): the `laspec` strategy then adds its proposal to greedy trees, and
+        `save_pretrained` writes it as `datastore.safetensors` beside the weights. Returns `self`."""
+        from ..datastore import TokenDatastore
+
+        if datastore is not None and not isinstance(datastore, TokenDatastore):
+            raise ValueError(f"set_datastore needs a TokenDatastore or None, got {type(datastore).__name__}.")
+        if datastore is not None and len(datastore) and int(datastore.tokens.max()) >= self.config.vocab_size:
+            raise ValueError(f"The datastore holds token id {int(datastore.tokens.max())}, outside this drafter's "
+                             f"{self.config.vocab_size}-token vocabulary.")
+        self.__dict__["datastore"] = datastore
+        return self
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus the datastore (if any) as `datastore.safetensors`; a stale
+        datastore file of an earlier save is removed when this drafter has none."""
+        from ..datastore import DATASTORE_FILE
+
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        path = Path(save_directory) / DATASTORE_FILE
+        if self.datastore is not None:
+            self.datastore.save(path)
+        elif path.exists():
+            path.unlink()
+        return result
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, plus the folder's (or Hub repo's) `datastore.safetensors` when it
+        has one (`model.datastore`, else `None`)."""
+        from ..datastore import DATASTORE_FILE, TokenDatastore
+
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        local = Path(str(pretrained_model_name_or_path)).expanduser()
+        if local.is_dir():
+            path = local / kwargs.get("subfolder", "") / DATASTORE_FILE
+            path = path if path.exists() else None
+        else:
+            from transformers.utils import cached_file
+
+            hub = {key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
+                   if key in kwargs}
+            path = cached_file(pretrained_model_name_or_path, DATASTORE_FILE,
+                               _raise_exceptions_for_missing_entries=False, **hub)
+        if path is not None:
+            model.set_datastore(TokenDatastore.load(path))
+        return model
 
     def _init_weights(self, module):
         super()._init_weights(module)

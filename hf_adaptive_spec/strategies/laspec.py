@@ -38,6 +38,12 @@ class LaSpecConfig(StrategyConfig):
             acceptance pays. 0 turns it off.
         lookup_tokens (`int`, defaults to 8): tokens on that branch (a repetition, once found, often runs past
             the drafter's block; measured on SmolLM2-135M: tau 2.01 -> 2.06, +2% tokens/s over 4 tokens).
+        datastore (`bool`, *optional*): under greedy decoding, also offer the continuation that the drafter's
+            datastore (`hf_adaptive_spec.datastore`: e.g. the target's own answers to training requests) shares
+            for the sequence's longest matching suffix, as one more branch; the cost rule keeps its nodes when
+            their measured acceptance pays. `None` (default): when the drafter carries one; True: require it;
+            False: off.
+        datastore_tokens (`int`, defaults to 8): tokens on that branch.
     """
 
     block_size: int | None = None
@@ -47,6 +53,8 @@ class LaSpecConfig(StrategyConfig):
     num_visual_tokens: int | None = None
     context_lookup: int = 4
     lookup_tokens: int = 8
+    datastore: bool | None = None
+    datastore_tokens: int = 8
 
     def device_defaults(self, device):
         gpu = on_gpu(device)
@@ -61,6 +69,10 @@ class LaSpecConfig(StrategyConfig):
             raise ValueError(f"LaSpecConfig.context_lookup must be >= 0, got {self.context_lookup}.")
         if self.lookup_tokens < 1:
             raise ValueError(f"LaSpecConfig.lookup_tokens must be >= 1, got {self.lookup_tokens}.")
+        if self.datastore_tokens < 1:
+            raise ValueError(f"LaSpecConfig.datastore_tokens must be >= 1, got {self.datastore_tokens}.")
+        if self.datastore not in (None, True, False):
+            raise ValueError(f"LaSpecConfig.datastore must be None, True or False, got {self.datastore!r}.")
         if self.num_visual_tokens is not None and self.num_visual_tokens < 0:
             raise ValueError(f"LaSpecConfig.num_visual_tokens must be >= 0, got {self.num_visual_tokens}.")
 
