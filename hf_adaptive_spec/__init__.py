@@ -16,6 +16,7 @@ from .drafters.laspec import (
     register_auto_classes,
 )
 from .drafters.hub import list_drafters, load_drafter, push_drafter_to_hub
+from .datastore import TokenDatastore
 from .drafters.quantize import quantize_drafter
 from .integration import install, is_installed, uninstall
 from .loop import SpecGenerateOutput, SpecStats
@@ -56,6 +57,7 @@ __all__ = [
     "StaticTreeConfig",
     "Strategy",
     "StrategyConfig",
+    "TokenDatastore",
     "install",
     "list_drafters",
     "load_drafter",
