@@ -515,6 +515,8 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
         "models": {
             "target": args.target, "drafter": args.drafter, "drafter_int8": bool(args.drafter_int8),
             "target_class": type(target).__name__, "drafter_class": type(drafter).__name__,
+            "drafter_datastore": (None if getattr(drafter, "datastore", None) is None
+                                  else {"repr": repr(drafter.datastore), **drafter.datastore.info}),
             "load_seconds": load_seconds,
         },
         "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
@@ -828,7 +830,9 @@ def write_markdown(results: dict, path: Path) -> None:
         "",
         f"- command: `{results['command']}`",
         f"- target: `{results['models']['target']}`; drafter: `{results['models']['drafter']}`"
-        + (" (int8 dynamic)" if results["models"]["drafter_int8"] else ""),
+        + (" (int8 dynamic)" if results["models"]["drafter_int8"] else "")
+        + (f", with {results['models']['drafter_datastore']['repr']}"
+           if results["models"].get("drafter_datastore") else ""),
         f"- greedy, max_new_tokens={results['settings']['max_new_tokens']}, warm-up runs per method: "
         f"{results['settings']['warmup']}, order of methods rotated per prompt",
         f"- {env['device']} ({env.get('gpu') or env['cpu_model']}), {env['threads']} threads"

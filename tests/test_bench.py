@@ -322,6 +322,16 @@ def test_laspec_drafter_folder_runs_every_strategy(tmp_path):
     assert results["ok"], results["failures"]
     assert set(results["methods"]) == {"plain", "chain", "static_tree", "sage", "laspec"}
     assert results["models"]["drafter_class"] == "LaSpecDrafterModel"
+    assert results["models"]["drafter_datastore"] is None
+    from hf_adaptive_spec import TokenDatastore
+
+    LaSpecDrafterModel.from_pretrained(folder).set_datastore(
+        TokenDatastore.from_sequences([[5, 6, 7, 8]], info={"source": "test"})).save_pretrained(folder)
+    results = _run(tmp_path, "--drafter", str(folder), "--no-stock", "--limit", "1", "--warmup", "0",
+                   "--strategies", "laspec")
+    assert results["ok"], results["failures"]
+    assert results["models"]["drafter_datastore"]["source"] == "test"
+    assert "with TokenDatastore(1 sequences" in (tmp_path / "out" / "results.md").read_text()
     with pytest.raises(ValueError, match="--no-stock"):
         _run(tmp_path, "--drafter", str(folder), "--limit", "1")
     with pytest.raises(ValueError, match="--drafter-int8"):

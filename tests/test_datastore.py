@@ -212,3 +212,23 @@ def test_datastore_settings_are_checked():
     with pytest.raises(ValueError, match="datastore_tokens"):
         target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=_drafter(target),
                         spec_strategy="laspec", spec_config={"datastore_tokens": 0})
+
+
+def test_model_card_describes_the_datastore(tmp_path):
+    from hf_adaptive_spec.drafters.hub import describe_datastore
+
+    target = build_model("llama")
+    drafter = _drafter(target)
+    (tmp_path / "README.md").write_text("# card\n\n## Measured\n- tau 2\n")
+    assert describe_datastore(tmp_path / "nowhere") is None
+    info = {"data": ["sharegpt[:3]"], "generated": 3, "answered": 0, "max_new_tokens": 12, "tokens": 7}
+    drafter.set_datastore(TokenDatastore.from_sequences([[1, 2, 3], [4, 5, 6, 7]], info=info))
+    for _ in range(2):  # saved twice: one section, replaced
+        drafter.save_pretrained(tmp_path)
+        describe_datastore(tmp_path)
+        card = (tmp_path / "README.md").read_text()
+        assert card.count("## Datastore") == 1 and "from sharegpt[:3]: 3 answers by the target" in card
+        assert card.startswith("# card\n\n## Measured\n- tau 2\n")
+    drafter.set_datastore(None).save_pretrained(tmp_path)
+    describe_datastore(tmp_path)
+    assert (tmp_path / "README.md").read_text() == "# card\n\n## Measured\n- tau 2\n"

@@ -654,6 +654,7 @@ def test_build_datastore_command_on_real_smollm2(tmp_path_factory, tmp_path):
     drafter = load_drafter(folder, model)
     store = drafter.datastore
     assert (folder / DATASTORE_FILE).is_file() and store.info["generated"] == 2 and store.info["answered"] == 2
+    assert "## Datastore" in (folder / "README.md").read_text()
     expected = [token for sequence in [answers[p.id] for p in generated] + real for token in sequence + [-1]]
     assert store.tokens.tolist() == expected
     # a second run answers nothing anew: the cache's (edited) answers are what the store holds

@@ -15,8 +15,8 @@ import torch
 
 from .laspec import LaSpecDrafterConfig, LaSpecDrafterModel
 
-__all__ = ["SHIPPED_DRAFTERS", "drafter_path", "is_laspec_folder", "list_drafters", "load_drafter",
-           "push_drafter_to_hub", "write_model_card"]
+__all__ = ["SHIPPED_DRAFTERS", "describe_datastore", "drafter_path", "is_laspec_folder", "list_drafters",
+           "load_drafter", "push_drafter_to_hub", "write_model_card"]
 
 _CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -136,7 +136,39 @@ def write_model_card(folder, info: dict) -> Path:
     lines.append("")
     path = folder / "README.md"
     path.write_text("\n".join(lines))
+    describe_datastore(folder)
     return path
+
+
+def describe_datastore(folder) -> Path | None:
+    """Give the folder's model card (`README.md`) a `## Datastore` section describing its `datastore.safetensors`
+    (replacing an earlier one), or drop that section when the folder has no datastore. Returns the card's path
+    (None without a card)."""
+    from ..datastore import DATASTORE_FILE, TokenDatastore
+
+    folder = Path(folder)
+    card = folder / "README.md"
+    if not card.exists():
+        return None
+    text = card.read_text()
+    start = text.find("\n## Datastore\n")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + text[end:] if end >= 0 else text[:start].rstrip("\n") + "\n"
+    if (folder / DATASTORE_FILE).exists():
+        store = TokenDatastore.load(folder / DATASTORE_FILE)
+        info = store.info
+        lines = ["", "## Datastore", "",
+                 f"`{DATASTORE_FILE}`: {store!r}; under greedy decoding `laspec` adds the continuation its "
+                 "occurrences share for the sequence's longest matching suffix as one more branch of each tree "
+                 "(`spec_config={\"datastore\": False}` turns it off; outputs never change)."]
+        if info:
+            lines.append(f"- made by `hf-adaptive-spec build-datastore` from {', '.join(info.get('data', []))}: "
+                         f"{info.get('generated', 0)} answers by the target ({info.get('max_new_tokens')} tokens "
+                         f"max), {info.get('answered', 0)} answers of answered sets, {info.get('tokens', 0)} tokens")
+        text = text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+    card.write_text(text)
+    return card
 
 
 def push_drafter_to_hub(folder, repo_id: str, token: str | None = None, private: bool = False) -> str:

@@ -97,7 +97,7 @@ def answer_prompts(model, tokenizer, prompts: list, max_new_tokens: int, batch_s
 def run(args) -> int:
     from ..cli import _resolve_path, load_model
     from ..datastore import DATASTORE_FILE, TokenDatastore
-    from ..drafters.hub import is_laspec_folder
+    from ..drafters.hub import describe_datastore, is_laspec_folder
     from .cli import _prompts_by_spec
     from .data import is_answered
 
@@ -157,6 +157,8 @@ def run(args) -> int:
     store = TokenDatastore.from_sequences(sequences, min_ngram=args.min_ngram, max_ngram=args.max_ngram,
                                           max_occurrences=args.max_occurrences, info=info)
     store.save(out_file)
+    if out_file.parent == out:  # a drafter folder: its model card says what the store holds
+        describe_datastore(out)
     print(json.dumps({"out": str(out_file), "store": repr(store), "seconds": round(seconds, 1),
                       "bytes": out_file.stat().st_size, **info}))
     return 0
