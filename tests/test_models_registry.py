@@ -678,3 +678,5 @@ def test_build_datastore_command_on_real_smollm2(tmp_path_factory, tmp_path):
                      "--answers-cache", str(cache), "--cached-only", "--no-progress"]) == 0
     info = load_drafter(folder, model).datastore.info
     assert info["generated"] == 2 and info["cached_only"] and json.loads(cache.read_text()) == answers
+    with pytest.raises(SystemExit, match="longer than --max-new-tokens 2"):  # a cache made with other settings
+        cli.main(args[:-1] + ["--max-new-tokens", "2", "--no-progress"])

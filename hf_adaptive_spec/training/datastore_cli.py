@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              ".safetensors file")
     parser.add_argument("--answers-cache", default=None, metavar="FILE.json",
                         help="reuse / store the answers ({prompt id: token ids}) in this file: prompts it holds "
-                             "are not answered again (the file is updated as answers come)")
+                             "are not answered again (the file is updated as answers come); make it with the same "
+                             "target and --max-new-tokens (longer cached answers are an error)")
     parser.add_argument("--cached-only", action="store_true",
                         help="generate nothing: of the prompts --data selects for answering, keep only those the "
                              "--answers-cache answers already (e.g. a store from an interrupted answering run)")
@@ -138,6 +139,10 @@ def run(args) -> int:
 
     if args.cached_only:
         to_generate = [prompt for prompt in to_generate if prompt.id in cache]
+    too_long = [prompt.id for prompt in to_generate if len(cache.get(prompt.id, ())) > args.max_new_tokens]
+    if too_long:
+        raise SystemExit(f"--answers-cache {cache_path} holds answers longer than --max-new-tokens "
+                         f"{args.max_new_tokens} (e.g. {too_long[:3]}): it was made with other settings.")
     start = time.perf_counter()
     generator = model
     if to_generate and args.generate_dtype == "bfloat16" and model.dtype != torch.bfloat16:
