@@ -231,9 +231,9 @@ class TokenDatastore:
         valid = torch.zeros(batch, num_tokens, dtype=torch.bool)
         match = torch.zeros(batch, dtype=torch.long)
         codes = torch.zeros(batch, num_tokens, dtype=torch.long)
-        rows = ids.tolist()
         for b, (lo, hi) in enumerate(zip(start.tolist(), lengths.tolist())):
-            chain, n, support = self.propose_with_support(rows[b][lo:hi], num_tokens)
+            row = ids[b, max(lo, hi - self.max_ngram):hi].tolist()  # only the longest suffix tried is read
+            chain, n, support = self.propose_with_support(row, num_tokens)
             tokens[b, : len(chain)] = torch.tensor(chain, dtype=torch.long)
             valid[b, : len(chain)] = True
             match[b] = n

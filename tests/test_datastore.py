@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_laspec_loop import _drafter, _oracle
+from test_laspec_loop import _drafter, _oracle, replay_accepted
 from tiny_models import build_model, make_inputs
 from transformers import AutoModel
 
@@ -136,21 +136,6 @@ def test_support_counts_the_votes():
     assert codes[0].tolist() == [store_code(3, 4), store_code(2, 3), 0] and valid[0].tolist() == [True, True, False]
 
 
-def _replay(sequence, start, store, num_tokens):
-    """Accepted length per round when only the store's chain can be right (brute-force replay on the output)."""
-    length, replayed = start, []
-    while length < len(sequence):
-        proposal, _ = store.propose(sequence[:length], num_tokens)
-        accepted = 0
-        for offset, token in enumerate(proposal[: len(sequence) - length - 1]):  # the bonus needs the last slot
-            if sequence[length + offset] != token:
-                break
-            accepted += 1
-        replayed.append(accepted)
-        length += accepted + 1
-    return replayed
-
-
 @pytest.mark.parametrize("arch,host_trees", [("llama", True), ("llama", False), ("qwen2_vl", True)])
 def test_datastore_branch_is_accepted_exactly_as_far_as_the_store_agrees(arch, host_trees, monkeypatch):
     """With a drafter that is always wrong and context lookup off, every accepted token comes from the datastore
@@ -181,7 +166,7 @@ def test_datastore_branch_is_accepted_exactly_as_far_as_the_store_agrees(arch, h
                           spec_config={"verify_cost": False, "top_k": 1, "context_lookup": 0,
                                        "datastore_tokens": 6})
     assert torch.equal(out.sequences, expected)
-    replayed = _replay(expected[0].tolist(), prompt_length + 1, store, 6)
+    replayed = replay_accepted(expected[0].tolist(), prompt_length + 1, lambda row: store.propose(row, 6)[0])
     assert out.spec_stats.accepted_lengths == replayed
     assert max(replayed) > 4  # chains longer than the block were accepted, or the branch is untested
 

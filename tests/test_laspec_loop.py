@@ -179,21 +179,27 @@ def test_lookup_branch_is_accepted_exactly_as_far_as_the_context_repeats(arch, l
                           spec_config={"verify_cost": False, "top_k": 1, "context_lookup": 3,
                                        "lookup_tokens": lookup_tokens})
     assert torch.equal(out.sequences, expected)
-    sequence = expected[0].tolist()
-    length, replayed = prompt_length + 1, []  # the prefill's token is the first root
+    replayed = replay_accepted(expected[0].tolist(), prompt_length + 1,  # the prefill's token is the first root
+                               lambda row: _brute_force_lookup(row, 3, lookup_tokens)[0])
+    assert out.spec_stats.accepted_lengths == replayed
+    assert sum(replayed) > 0  # the sequence repeats somewhere, or the test would prove nothing
+    if lookup_tokens > 4:
+        assert max(replayed) > 4  # a chain longer than the block was accepted, or the setting is untested
+
+
+def replay_accepted(sequence, length, propose):
+    """Accepted length per round when only one branch can be right: `propose(committed ids)` -> its chain, replayed
+    on the final `sequence` from `length` committed tokens (the first root included)."""
+    replayed = []
     while length < len(sequence):
-        proposal, _ = _brute_force_lookup(sequence[:length], 3, lookup_tokens)
         accepted = 0
-        for offset, token in enumerate(proposal[: len(sequence) - length - 1]):  # the bonus needs the last slot
+        for offset, token in enumerate(propose(sequence[:length])[: len(sequence) - length - 1]):  # bonus: last slot
             if sequence[length + offset] != token:
                 break
             accepted += 1
         replayed.append(accepted)
         length += accepted + 1
-    assert out.spec_stats.accepted_lengths == replayed
-    assert sum(replayed) > 0  # the sequence repeats somewhere, or the test would prove nothing
-    if lookup_tokens > 4:
-        assert max(replayed) > 4  # a chain longer than the block was accepted, or the setting is untested
+    return replayed
 
 
 def _brute_force_lookup(row, max_ngram, num_tokens):

@@ -243,7 +243,8 @@ class BlockDrafter:
                 row = ids[0, int(start[0]):int(lengths[0])].tolist()
                 depth = max(int(max_depth[0]), 0)
             if store:
-                chain, _, support = self.datastore.propose_with_support(row, self.datastore_tokens)
+                chain, _, support = self.datastore.propose_with_support(row[-self.datastore.max_ngram:],
+                                                                        self.datastore_tokens)
                 tree.add_chain(chain[:depth], [store_code(*pair) for pair in support[:depth]])
             if lookup:
                 chain, match = latest_match(row, self.context_lookup, self.lookup_tokens)

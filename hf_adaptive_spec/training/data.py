@@ -40,6 +40,27 @@ class EncodedPrompt:
     inputs: dict
 
 
+def encode_chat_prompt(tokenizer, messages: list) -> torch.Tensor:
+    """`(S,)` ids of `messages` in the tokenizer's chat template with the generation prompt (without a template:
+    the last message's text)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(messages[-1]["content"])["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def left_padded(encoded: list, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)` `(B, max S)` of `(S,)` id tensors, padded on the left with `pad`."""
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids):] = ids
+        attention_mask[row, width - len(ids):] = 1
+    return input_ids, attention_mask
+
+
 def _cut_at_eos(answer: torch.Tensor, eos) -> torch.Tensor:
     if eos is not None and bool((answer == eos).any()):
         return answer[: int((answer == eos).nonzero()[0]) + 1]
@@ -248,14 +269,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     prompts = [prompt for prompt in prompts if not is_answered(prompt)]
     answerer = target if generate_dtype is None or generate_dtype == target.dtype or not (prompts or encoded_prompts) \
         else copy.deepcopy(target).to(generate_dtype)  # no copy when nothing is generated
-    all_encoded = []
-    for prompt in prompts:
-        messages = getattr(prompt, "messages", prompt)
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-        else:
-            ids = tokenizer(messages[-1]["content"])["input_ids"]
-        all_encoded.append((prompt, torch.tensor(ids, dtype=torch.long)))
+    all_encoded = [(prompt, encode_chat_prompt(tokenizer, getattr(prompt, "messages", prompt))) for prompt in prompts]
     all_encoded.sort(key=lambda pair: len(pair[1]))  # similar lengths batch together: less padding
     bar = tqdm(total=len(all_encoded) + len(encoded_prompts) + len(texts) + len(answered), desc="target data",
                disable=not progress)
@@ -269,12 +283,8 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     for start in range(0, len(all_encoded), batch_size):
         chunk = [prompt for prompt, _ in all_encoded[start : start + batch_size]]
         encoded = [ids for _, ids in all_encoded[start : start + batch_size]]
-        width = max(len(ids) for ids in encoded)
-        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, ids in enumerate(encoded):  # left padding
-            input_ids[row, width - len(ids):] = ids
-            attention_mask[row, width - len(ids):] = 1
+        input_ids, attention_mask = left_padded(encoded, pad)
+        width = input_ids.shape[1]
         for sample in range(samples_per_prompt):
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if sample else {"do_sample": False}
             out = answerer.generate(input_ids=input_ids.to(target.device),

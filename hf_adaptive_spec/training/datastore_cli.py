@@ -61,33 +61,21 @@ def answer_prompts(model, tokenizer, prompts: list, max_new_tokens: int, batch_s
     is called after every batch (to keep a cache file current)."""
     from tqdm.auto import tqdm
 
+    from .data import _cut_at_eos, encode_chat_prompt, left_padded
+
     answers = dict(cache or {})
     todo = [prompt for prompt in prompts if prompt.id not in answers]
-    encoded = [tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-               for prompt in todo]
-    order = sorted(range(len(todo)), key=lambda i: len(encoded[i]))
+    encoded = [encode_chat_prompt(tokenizer, prompt.messages) for prompt in todo]
+    order = sorted(range(len(todo)), key=lambda i: len(encoded[i]))  # similar lengths batch together
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = tokenizer.eos_token_id
-    device = model.device
     bar = tqdm(total=len(todo), desc="answers", disable=not progress or not todo)
     for begin in range(0, len(order), batch_size):
         rows = order[begin : begin + batch_size]
-        width = max(len(encoded[i]) for i in rows)
-        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for r, i in enumerate(rows):
-            input_ids[r, width - len(encoded[i]):] = torch.tensor(encoded[i])
-            attention_mask[r, width - len(encoded[i]):] = 1
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+        input_ids, attention_mask = left_padded([encoded[i] for i in rows], pad)
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         for r, i in enumerate(rows):
-            answer = out[r, width:].tolist()
-            if eos is not None and eos in answer:
-                answer = answer[: answer.index(eos) + 1]
-            elif pad != eos:
-                while answer and answer[-1] == pad:
-                    answer.pop()
-            answers[todo[i].id] = answer
+            answers[todo[i].id] = _cut_at_eos(out[r, input_ids.shape[1]:].cpu(), tokenizer.eos_token_id).tolist()
         if save is not None:
             save(answers)
         bar.update(len(rows))
@@ -150,7 +138,7 @@ def run(args) -> int:
 
         generator = copy.deepcopy(model).to(torch.bfloat16)
     answers = answer_prompts(generator, tokenizer, to_generate, args.max_new_tokens, args.batch_size,
-                             cache={key: value for key, value in cache.items()}, save=save,
+                             cache=cache, save=save,
                              progress=not args.no_progress)
     sequences = [answers[prompt.id] for prompt in to_generate]
     sequences += [_answered_tokens(tokenizer, prompt) for prompt in answered]
