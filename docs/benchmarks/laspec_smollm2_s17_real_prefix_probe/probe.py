@@ -1,7 +1,10 @@
 """Probe: does a block drafter trained with a real-token prefix in the block (k real columns, then MASK)
 predict deeper tokens better when fed its own earlier guesses (autoregressive / 2-pass) than MASK-only?
-Teacher-forced on the target's greedy answers to held-out MT-Bench / HumanEval prompts."""
-import copy, json, random, sys, time
+Teacher-forced on the target's greedy answers to held-out MT-Bench / HumanEval prompts.
+
+Usage: python probe.py SECONDS [ARM ...] (arms: fixed1, random; default both). results.json came from
+`probe.py 600` before the mask_or_ar_tau column was added; results_union_rerun.json from `probe.py 556 random`."""
+import json, random, sys, time
 import torch
 import hf_adaptive_spec
 from hf_adaptive_spec.training import trainer as T
@@ -92,12 +95,15 @@ def report(name, model):
     res = {}
     for set_name, ex in (("mt", mt), ("he", he)):
         r = {k: rights(model, ex, k) for k in range(1, B + 1)}
-        mask_chain = r[1].long().cumprod(-1).sum(-1).float().mean().item()
-        ar = torch.stack([r[k][:, k - 1] for k in range(1, B + 1)], -1)
-        ar_chain = ar.long().cumprod(-1).sum(-1).float().mean().item()
-        two = torch.cat([r[1][:, :1], r[2][:, 1:]], -1)
-        two_chain = two.long().cumprod(-1).sum(-1).float().mean().item()
-        res[set_name] = {"mask_tau": 1 + mask_chain, "two_pass_tau": 1 + two_chain, "ar_tau": 1 + ar_chain,
+        mask_accepted = r[1].long().cumprod(-1).sum(-1)  # the MASK block's chain
+        ar = torch.stack([r[k][:, k - 1] for k in range(1, B + 1)], -1)  # one pass per depth, own guesses fed back
+        ar_accepted = ar.long().cumprod(-1).sum(-1)
+        two = torch.cat([r[1][:, :1], r[2][:, 1:]], -1)  # depth 1 from the MASK block, depths 2-4 from [bonus, d1]
+        two_accepted = two.long().cumprod(-1).sum(-1)
+        union = torch.maximum(mask_accepted, ar_accepted)  # both chains as two branches of one tree
+        tau = lambda accepted: 1 + accepted.float().mean().item()
+        res[set_name] = {"mask_tau": tau(mask_accepted), "mask_or_ar_tau": tau(union), "two_pass_tau": tau(two_accepted),
+                         "ar_tau": tau(ar_accepted),
                          "mask_top1": r[1].float().mean(0).tolist(), "ar_top1_cond": ar.float().mean(0).tolist()}
     print(name, json.dumps(res), flush=True)
     return res
@@ -115,4 +121,4 @@ for arm in sys.argv[2:] if len(sys.argv) > 2 else ["fixed1", "random"]:
     hist = T.train_drafter(model, train, train[:8], cfg, progress=False, log=lambda *a: None)
     print(arm, "trained", hist["config"].get("steps_run"), "steps in", round(time.time() - t), "s", flush=True)
     results[arm] = report(arm, model)
-json.dump(results, open(OUT / "probe.json", "w"), indent=1)
+json.dump(results, open(OUT / ("probe_" + "_".join(sys.argv[2:] or ["fixed1", "random"]) + ".json"), "w"), indent=1)
