@@ -1,4 +1,6 @@
-"""The hf-adaptive-spec command line: parsing and argument errors (no model is loaded)."""
+"""The hf-adaptive-spec command line: parsing, argument errors and what the demo times (tiny models only)."""
+
+import time
 
 import pytest
 
@@ -33,3 +35,45 @@ def test_fetch_without_a_name_lists_models():
 def test_unknown_model_path_is_a_clear_error():
     with pytest.raises(SystemExit, match="neither a local model folder nor a registry name"):
         cli._resolve_path("/no/such/folder")
+
+
+class _Digits:
+    """A stand-in tokenizer for the streamer: token ids as text."""
+
+    def decode(self, ids, **kwargs):
+        return " ".join(str(int(i)) for i in ids)
+
+
+def test_demo_times_speculation_after_the_one_off_cost_curve(tmp_path, monkeypatch, capsys):
+    # a fresh machine has no cost curve yet: measuring it (~20 s for the demo's 1.5B target on 2 cores) must
+    # happen in the warm-up, not in the timed speculative run that the demo compares with plain generate
+    from hf_adaptive_spec import cost
+    from tiny_models import build_drafter, build_model, make_inputs
+
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost, "_MEMORY", {})
+    measured = []
+    measure = cost.measure_verifier_cost
+
+    def slow_measure(*args, **kwargs):
+        measured.append("warm-up" if not timed else "timed")
+        time.sleep(0.2)  # a real model's measurement takes seconds
+        return measure(*args, **kwargs)
+
+    timed = []
+    target = build_model("llama")
+    generate = type(target).generate
+
+    def spy(self, *args, **kwargs):
+        if kwargs.get("streamer") is not None:  # the timed speculative run
+            timed.append(True)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(cost, "measure_verifier_cost", slow_measure)
+    monkeypatch.setattr(type(target), "generate", spy)
+    drafter = build_drafter("llama", target, "copy")
+    inputs = make_inputs("llama", batch_size=1)
+    assert cli._generate_and_compare(target, drafter, inputs, _Digits(), "sage", None, 8, compare=True) == 0
+    assert timed == [True] and measured == ["warm-up"]
+    printed = capsys.readouterr().out
+    assert "measured the verifier's cost curve once" in printed and "same output: yes" in printed
