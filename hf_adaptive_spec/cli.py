@@ -120,10 +120,11 @@ def cmd_fetch(args) -> int:
     return 0
 
 
-def warm_up(target, drafter, inputs, strategy, spec_config) -> float:
+def _warm_up(target, drafter, inputs, strategy, spec_config) -> float:
     """Untimed short runs of plain and speculative generate: the one-off costs (kernels and allocator, the CPU
     kernel's first compile, and for cost-aware strategies the verifier's cost curve, measured once per machine
-    and then cached) stay out of the timed comparison. Returns the seconds spent measuring that curve."""
+    and then cached) stay out of the timed comparison. Returns the seconds spent getting that curve (milliseconds
+    when it was cached already)."""
     target.generate(**inputs, max_new_tokens=4, do_sample=False)
     out = target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=drafter,
                           spec_strategy=strategy, spec_config=spec_config, return_dict_in_generate=True)
@@ -135,7 +136,7 @@ def _generate_and_compare(target, drafter, inputs, tokenizer, strategy, spec_con
     from transformers import TextStreamer
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    profiled = warm_up(target, drafter, inputs, strategy, spec_config)
+    profiled = _warm_up(target, drafter, inputs, strategy, spec_config)
     if profiled >= 0.1:  # worth a word: the first run on a machine (a cached curve loads in milliseconds)
         print(f"(measured the verifier's cost curve once: {profiled:.1f}s, cached for later runs)\n")
     start = time.perf_counter()
