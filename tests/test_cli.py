@@ -52,15 +52,14 @@ def test_demo_times_speculation_after_the_one_off_cost_curve(tmp_path, monkeypat
 
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(cost, "_MEMORY", {})
-    measured = []
+    timed, measured = [], []  # the timed speculative run started; when the curve was measured
     measure = cost.measure_verifier_cost
 
     def slow_measure(*args, **kwargs):
-        measured.append("warm-up" if not timed else "timed")
+        measured.append("timed" if timed else "warm-up")
         time.sleep(0.2)  # a real model's measurement takes seconds
         return measure(*args, **kwargs)
 
-    timed = []
     target = build_model("llama")
     generate = type(target).generate
 
