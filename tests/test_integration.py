@@ -9,7 +9,7 @@ from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCa
 from transformers.generation.utils import GenerationMixin
 
 import hf_adaptive_spec
-from hf_adaptive_spec import ChainConfig, SageConfig, StaticTreeConfig
+from hf_adaptive_spec import SageConfig, StaticTreeConfig
 from hf_adaptive_spec.compat import cache_argument, cache_from_kwargs, output_cache
 from hf_adaptive_spec.strategies import STRATEGIES, default_tree_paths
 from tiny_models import build_drafter, build_model, make_inputs
@@ -78,9 +78,10 @@ def test_registry_lists_strategies():
         (dict(spec_strategy="sage", num_beams=2), "beam search"),
         (dict(spec_strategy="sage", num_return_sequences=2, do_sample=False), "num_return_sequences"),
         (dict(spec_strategy="chain", spec_config=SageConfig()), "must be a ChainConfig"),
-        (dict(spec_strategy="chain", spec_config=ChainConfig(num_draft_tokens=0)), "ChainConfig needs"),
-        (dict(spec_strategy="static_tree", spec_config=StaticTreeConfig(paths=[(0, 1)])), "prefix-closed"),
-        (dict(spec_strategy="sage", spec_config=SageConfig(alpha_source="future")), "alpha_source"),
+        (dict(spec_strategy="chain", spec_config={"num_draft_tokens": 0}), "ChainConfig.num_draft_tokens"),
+        (dict(spec_strategy="chain", spec_config={"num_draft_tokens": 9}), "ChainConfig.num_draft_tokens"),
+        (dict(spec_strategy="static_tree", spec_config={"paths": [(0, 1)]}), "prefix-closed"),
+        (dict(spec_strategy="sage", spec_config={"alpha_source": "future"}), "alpha_source"),
         (dict(spec_strategy="sage", cache_implementation="static"), "Static cache|DynamicCache"),
         (dict(spec_strategy="sage", output_attentions=True, return_dict_in_generate=True), "output_attentions"),
     ],

@@ -29,12 +29,13 @@ def get_strategy_class(name: str) -> type[Strategy]:
 
 
 def resolve_config(name: str, spec_config, device) -> StrategyConfig:
-    """The strategy's config from `spec_config` (None, a dict, or the strategy's config object), resolved."""
+    """The strategy's config from `spec_config` (None, a dict of its fields such as `to_dict` gives, or the
+    strategy's config object), resolved."""
     config_class = get_strategy_class(name).config_class
     if spec_config is None:
         spec_config = config_class()
     elif isinstance(spec_config, dict):
-        spec_config = config_class(**spec_config)
+        spec_config = config_class.from_dict(spec_config)
     elif not isinstance(spec_config, config_class):
         raise ValueError(
             f"spec_config for spec_strategy={name!r} must be a {config_class.__name__} (or a dict of its fields), "

@@ -10,6 +10,8 @@ hold only per-row planning state; they never touch a model or a cache.
 
 from __future__ import annotations
 
+import numbers
+import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -32,24 +34,135 @@ class Frontier:
 
 @dataclass
 class StrategyConfig:
-    """Base class of strategy settings; `None` fields take a per-device default (see `resolve`)."""
+    """Base class of strategy settings; `None` fields take a per-device default (see `resolve`).
+
+    Every field is checked on construction (`validate`, run by `__post_init__`): a wrong type raises a
+    `TypeError`, a value out of range a `ValueError`, both naming the class and the field. Checks that need the
+    vocabulary run in `check_vocab`, before decoding starts.
+
+    `to_dict` / `from_dict` turn a config into JSON-friendly values and back. `GenerationConfig.to_json_string`
+    writes a dataclass through its `to_dict`, so `generation_config.spec_config = SageConfig(...)` is saved by
+    `save_pretrained` as a dict of the fields; `GenerationConfig.from_pretrained` gives that dict back, which
+    `generate` accepts as `spec_config` as is (`from_dict` rebuilds the object).
+    """
+
+    def __post_init__(self):
+        self.validate()
 
     def resolve(self, device: torch.device) -> "StrategyConfig":
         """A copy with every `None` field replaced by this device type's default."""
         defaults = self.device_defaults(device)
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        filled = {}
         for name, value in values.items():
             if value is None and name in defaults:
-                values[name] = defaults[name]
-        resolved = type(self)(**values)
-        resolved.validate()
-        return resolved
+                values[name] = filled[name] = defaults[name]
+        try:
+            return type(self)(**values)
+        except ValueError as exc:
+            named = {n: v for n, v in filled.items() if re.search(rf"\b{type(self).__name__}\.{n}\b", str(exc))}
+            if not named:
+                raise
+            taken = ", ".join(f"{name}={value!r}" for name, value in named.items())
+            message = f"{exc} ({taken}: the {torch.device(device).type} default for a field left None)"
+            raise ValueError(message) from None
 
     def device_defaults(self, device: torch.device) -> dict:
         return {}
 
     def validate(self) -> None:
-        pass
+        """Check every field's type and range (`None` where it takes a default); subclasses extend this."""
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise a `ValueError` naming the field if this (resolved) config asks for more candidates per node than
+        a drafter with `vocab_size` tokens has."""
+
+    def to_dict(self) -> dict:
+        """Every field by name, JSON-friendly (tuples become lists)."""
+        return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "StrategyConfig":
+        """The config from `to_dict`'s output (or any dict of its fields); an unknown name is a `TypeError`."""
+        if not isinstance(values, dict):
+            raise TypeError(f"{cls.__name__}.from_dict needs a dict of its fields, got {type(values).__name__}.")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no field {unknown[0]!r}; its fields: {', '.join(names)}.")
+        return cls(**values)
+
+
+def _jsonable(value):
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _fail(config, name: str, requirement: str, error: type = ValueError):
+    value = getattr(config, name)
+    raise error(f"{type(config).__name__}.{name} must be {requirement}, got {value!r}.")
+
+
+def _none_allowed(config, name: str) -> bool:
+    return next(f for f in fields(config) if f.name == name).default is None
+
+
+def check_int(config, name: str, minimum: int) -> None:
+    """Field `name` is an int >= `minimum` (not a bool or float), or None where that is its default."""
+    value = getattr(config, name)
+    if value is None and _none_allowed(config, name):
+        return
+    requirement = f"an int >= {minimum}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(config, name, requirement, TypeError)
+    if type(value) is not int:  # e.g. a numpy integer: stored as a plain int, so the config stays JSON-friendly
+        setattr(config, name, int(value))
+    if value < minimum:
+        _fail(config, name, requirement)
+
+
+def check_float(config, name: str, minimum: float, maximum: float | None = None) -> None:
+    """Field `name` is a real number (an int is fine, a bool is not) in `[minimum, maximum]`, or None where that is
+    its default."""
+    value = getattr(config, name)
+    if value is None and _none_allowed(config, name):
+        return
+    requirement = f"a number >= {minimum:g}" if maximum is None else f"a number in [{minimum:g}, {maximum:g}]"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(config, name, requirement, TypeError)
+    if not isinstance(value, (int, float)):  # e.g. a numpy float
+        setattr(config, name, float(value))
+    if not (value >= minimum and (maximum is None or value <= maximum)):  # NaN fails too
+        _fail(config, name, requirement)
+
+
+def check_bool(config, name: str) -> None:
+    """Field `name` is True or False, or None where that is its default."""
+    value = getattr(config, name)
+    if value is None and _none_allowed(config, name):
+        return
+    if not isinstance(value, bool):
+        _fail(config, name, "None, True or False" if _none_allowed(config, name) else "True or False", TypeError)
+
+
+def check_choice(config, name: str, choices: tuple) -> None:
+    """Field `name` is one of `choices`, or None where that is its default."""
+    value = getattr(config, name)
+    if value is None and _none_allowed(config, name):
+        return
+    if not isinstance(value, str):
+        _fail(config, name, f"one of {choices}", TypeError)
+    if value not in choices:
+        _fail(config, name, f"one of {choices}")
+
+
+def check_order(config, low: str, high: str) -> None:
+    """Fields `low` <= `high` where both are set."""
+    a, b = getattr(config, low), getattr(config, high)
+    if a is not None and b is not None and a > b:
+        cls = type(config).__name__
+        raise ValueError(f"{cls}.{low} must be <= {cls}.{high}, got {a!r} > {b!r}.")
 
 
 class Strategy:

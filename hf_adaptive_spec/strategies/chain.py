@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Strategy, StrategyConfig, on_gpu
+from .base import Strategy, StrategyConfig, check_bool, check_int, check_order, on_gpu
 
 
 @dataclass
@@ -34,11 +34,13 @@ class ChainConfig(StrategyConfig):
         return {"num_draft_tokens": 6 if gpu else 4, "min_draft_tokens": 1, "max_draft_tokens": 16 if gpu else 8}
 
     def validate(self):
-        if not 1 <= self.min_draft_tokens <= self.num_draft_tokens <= self.max_draft_tokens:
-            raise ValueError(
-                "ChainConfig needs 1 <= min_draft_tokens <= num_draft_tokens <= max_draft_tokens, got "
-                f"{self.min_draft_tokens}, {self.num_draft_tokens}, {self.max_draft_tokens}."
-            )
+        for name in ("num_draft_tokens", "min_draft_tokens", "max_draft_tokens"):
+            check_int(self, name, 1)
+        check_bool(self, "adaptive")
+        check_bool(self, "verify_cost")
+        check_order(self, "min_draft_tokens", "num_draft_tokens")
+        check_order(self, "num_draft_tokens", "max_draft_tokens")
+        check_order(self, "min_draft_tokens", "max_draft_tokens")
 
 
 class ChainStrategy(Strategy):

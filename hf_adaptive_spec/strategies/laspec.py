@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Strategy, StrategyConfig, limit_to_budget, on_gpu
+from .base import Strategy, StrategyConfig, check_bool, check_int, limit_to_budget, on_gpu
 
 
 @dataclass
@@ -61,20 +61,18 @@ class LaSpecConfig(StrategyConfig):
         return {"top_k": 4 if gpu else 2, "n_max": 48 if gpu else 16}
 
     def validate(self):
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"LaSpecConfig.block_size must be >= 1, got {self.block_size}.")
-        if self.top_k < 1 or self.n_max < 1:
-            raise ValueError(f"LaSpecConfig needs top_k >= 1 and n_max >= 1, got {self.top_k}, {self.n_max}.")
-        if self.context_lookup < 0:
-            raise ValueError(f"LaSpecConfig.context_lookup must be >= 0, got {self.context_lookup}.")
-        if self.lookup_tokens < 1:
-            raise ValueError(f"LaSpecConfig.lookup_tokens must be >= 1, got {self.lookup_tokens}.")
-        if self.datastore_tokens < 1:
-            raise ValueError(f"LaSpecConfig.datastore_tokens must be >= 1, got {self.datastore_tokens}.")
-        if self.datastore not in (None, True, False):
-            raise ValueError(f"LaSpecConfig.datastore must be None, True or False, got {self.datastore!r}.")
-        if self.num_visual_tokens is not None and self.num_visual_tokens < 0:
-            raise ValueError(f"LaSpecConfig.num_visual_tokens must be >= 0, got {self.num_visual_tokens}.")
+        for name in ("block_size", "top_k", "n_max", "lookup_tokens", "datastore_tokens"):
+            check_int(self, name, 1)
+        check_int(self, "num_visual_tokens", 0)
+        check_int(self, "context_lookup", 0)
+        check_bool(self, "verify_cost")
+        check_bool(self, "datastore")
+
+    def check_vocab(self, vocab_size):
+        if self.top_k is not None and self.top_k > vocab_size:
+            raise ValueError(
+                f"LaSpecConfig.top_k must be <= the drafter's vocabulary ({vocab_size}), got {self.top_k}."
+            )
 
 
 class LaSpecStrategy(Strategy):

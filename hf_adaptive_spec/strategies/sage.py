@@ -11,7 +11,17 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from .base import Strategy, StrategyConfig, limit_to_budget, on_gpu
+from .base import (
+    Strategy,
+    StrategyConfig,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_order,
+    limit_to_budget,
+    on_gpu,
+)
 
 ALPHA_SOURCES = ("previous_root", "current_root")
 EXPAND_RULES = ("cumulative", "node")
@@ -38,7 +48,8 @@ class SageConfig(StrategyConfig):
         history_window (`int`): acceptance lengths remembered per row (10).
         history_low, history_high (`float`): mean accepted length below which D_max drops by one, above which it
             rises by one (2, 3).
-        depth_cap (`int`): upper clamp of the adaptive D_max (default: d_max); the lower clamp is d_min + 1.
+        depth_cap (`int`): upper clamp of the adaptive D_max (default: d_max; at least d_min); the lower clamp is
+            d_min + 1.
         adaptive_history (`bool`): enable the D_max adaptation (True).
         verify_cost (`bool`): under greedy decoding, trim each drafted tree to the nodes that pay for their
             verification on the measured cost curve of the target (`hf_adaptive_spec.cost`; GPU False, CPU True).
@@ -73,18 +84,32 @@ class SageConfig(StrategyConfig):
         return defaults
 
     def validate(self):
-        if not 1 <= self.d_min <= self.d_max:
-            raise ValueError(f"SageConfig needs 1 <= d_min <= d_max, got {self.d_min}, {self.d_max}.")
-        if not 1 <= self.w_min <= self.w_max:
-            raise ValueError(f"SageConfig needs 1 <= w_min <= w_max, got {self.w_min}, {self.w_max}.")
-        if self.n_max < 1 or self.top_k < 2 or self.history_window < 1:
-            raise ValueError("SageConfig needs n_max >= 1, top_k >= 2 and history_window >= 1.")
-        if self.expand_rule not in EXPAND_RULES:
-            raise ValueError(f"SageConfig.expand_rule must be one of {EXPAND_RULES}, got {self.expand_rule!r}.")
-        if self.alpha_source not in ALPHA_SOURCES:
-            raise ValueError(f"SageConfig.alpha_source must be one of {ALPHA_SOURCES}, got {self.alpha_source!r}.")
-        if not 0.0 <= self.alpha_init <= 1.0:
-            raise ValueError("SageConfig.alpha_init must lie in [0, 1].")
+        for name in ("d_min", "d_max", "n_max", "history_window", "depth_cap"):
+            check_int(self, name, 1)
+        check_int(self, "top_k", 2)
+        check_float(self, "w_min", 1.0)
+        check_float(self, "w_max", 1.0)
+        check_float(self, "theta_scale", 0.0)
+        check_float(self, "alpha_init", 0.0, 1.0)
+        check_float(self, "history_low", 0.0)
+        check_float(self, "history_high", 0.0)
+        check_choice(self, "expand_rule", EXPAND_RULES)
+        check_choice(self, "alpha_source", ALPHA_SOURCES)
+        check_bool(self, "adaptive_history")
+        check_bool(self, "verify_cost")
+        check_order(self, "d_min", "d_max")
+        check_order(self, "d_min", "depth_cap")
+        check_order(self, "w_min", "w_max")
+        check_order(self, "history_low", "history_high")
+
+    def check_vocab(self, vocab_size):
+        if self.top_k > vocab_size:
+            raise ValueError(f"SageConfig.top_k must be <= the drafter's vocabulary ({vocab_size}), got {self.top_k}.")
+        if self.w_max is not None and round(self.w_max) > vocab_size:
+            raise ValueError(
+                f"SageConfig.w_max must round to at most the drafter's vocabulary ({vocab_size}) children per node, "
+                f"got {self.w_max}."
+            )
 
 
 class SageStrategy(Strategy):

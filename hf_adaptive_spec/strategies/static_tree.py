@@ -8,6 +8,7 @@ and SpecInfer's static trees.
 from __future__ import annotations
 
 import heapq
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -50,16 +51,43 @@ class StaticTreeConfig(StrategyConfig):
         return {"paths": default_tree_paths(6, 5)}
 
     def validate(self):
-        paths = [tuple(int(r) for r in p) for p in self.paths]
-        if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
-            raise ValueError("StaticTreeConfig.paths must be non-empty tuples of non-negative ranks.")
+        """`paths` is None or a non-empty list of distinct, non-empty tuples of ranks (ints >= 0), prefix-closed;
+        it is stored as tuples sorted by depth, then rank (lists, e.g. from JSON, are accepted)."""
+        if self.paths is None:
+            return
+        shape = "a non-empty list of tuples of ranks (ints >= 0)"
+        if not isinstance(self.paths, (list, tuple)):
+            raise TypeError(f"StaticTreeConfig.paths must be {shape}, got {self.paths!r}.")
+        if not self.paths:
+            raise ValueError(f"StaticTreeConfig.paths must be {shape}, got {self.paths!r}.")
+        paths = []
+        for path in self.paths:
+            if not isinstance(path, (list, tuple)) or any(
+                isinstance(r, bool) or not isinstance(r, numbers.Integral) for r in path
+            ):
+                raise TypeError(f"StaticTreeConfig.paths must be {shape}; {path!r} is not a tuple of ints.")
+            if not path or min(path) < 0:
+                raise ValueError(f"StaticTreeConfig.paths must be {shape}; got the path {path!r}.")
+            paths.append(tuple(int(r) for r in path))
         present = set(paths)
         if len(present) != len(paths):
-            raise ValueError("StaticTreeConfig.paths contains duplicates.")
+            repeated = next(p for p in paths if paths.count(p) > 1)
+            raise ValueError(f"StaticTreeConfig.paths contains duplicates: {repeated} appears more than once.")
         for p in paths:
             if len(p) > 1 and p[:-1] not in present:
                 raise ValueError(f"StaticTreeConfig.paths is not prefix-closed: {p} lacks its parent {p[:-1]}.")
         self.paths = sorted(paths, key=lambda p: (len(p), p))
+
+    def check_vocab(self, vocab_size):
+        if self.paths is None:
+            return
+        rank = max(max(p) for p in self.paths)
+        if rank >= vocab_size:
+            path = next(p for p in self.paths if rank in p)
+            raise ValueError(
+                f"StaticTreeConfig.paths asks for the candidate of rank {rank} (path {path}), but the drafter has "
+                f"{vocab_size} tokens: ranks must be < {vocab_size}."
+            )
 
 
 class StaticTreeStrategy(Strategy):
