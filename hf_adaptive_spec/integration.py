@@ -5,12 +5,30 @@
 `generate(spec_strategy=...)` lands in the generation config instead of the
 model kwargs), and wraps two `GenerationMixin` methods:
 
-- `generate`: when `spec_strategy` is set, checks the request up front
-  (strategy name, drafter present, no beam search) and remembers the raw
-  multimodal inputs, which generate itself drops before decoding, so a VLM
-  drafter can see the image.
+- `generate`: finds the strategy as `generate` merges settings: this call's
+  `spec_strategy=` keyword, else the `generation_config` passed to this call
+  (by keyword or by position), else the model's own `generation_config`.
+  When a strategy applies, it checks the request up front (strategy name,
+  drafter present, no beam search, the resolved `spec_config`, including
+  candidate ranks against the vocabulary) and remembers the raw multimodal
+  inputs, which generate itself drops before decoding, so a VLM drafter can
+  see the image.
 - `_assisted_decoding`: dispatches on `generation_config.spec_strategy`; when
-  it is unset the original runs untouched.
+  it is unset, or no drafter was given, the original runs untouched.
+
+Per call and saved strategies:
+
+- `generate(..., spec_strategy=None)` turns this library off for the call,
+  even when the model's generation config names a strategy (transformers
+  applies an explicit keyword after the saved defaults): plain `generate`,
+  or stock assisted decoding when an `assistant_model` is given.
+- A strategy saved in the model's generation config (`save_pretrained` keeps
+  `spec_strategy` and `spec_config`) applies when the call gives a drafter;
+  without one, `generate` runs plain, as the call did not ask for
+  speculation. A strategy named by this call, as a keyword or in a passed
+  `generation_config`, without a drafter is an error.
+- A `spec_config` inherited from a generation config that names another
+  strategy is not used (the called strategy takes its defaults).
 
 `uninstall()` restores both methods and removes the fields.
 """
@@ -19,53 +37,88 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from .loop import speculative_decode
-from .strategies import get_strategy_class
+from .strategies import get_strategy_class, resolve_config
 
 _ORIGINALS: dict[str, object] = {}
-_RAW_INPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_adaptive_spec_raw_inputs", default=None)
+# this call's raw inputs (generate drops multimodal ones before decoding) and whether to drop spec_config
+_REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_adaptive_spec_request", default=None)
 _CONFIG_FIELDS = ("spec_strategy", "spec_config")
 
 
-def _requested_strategy(model, kwargs):
-    if kwargs.get("spec_strategy") is not None:
-        return kwargs["spec_strategy"]
-    generation_config = kwargs.get("generation_config")
-    for config in (generation_config, getattr(model, "generation_config", None)):
-        if config is not None and getattr(config, "spec_strategy", None) is not None:
-            return config.spec_strategy
-    return None
+def _call_arguments(args, kwargs) -> dict | None:
+    """`generate`'s arguments by name, however they were passed (model kwargs merged in); None if they do not bind,
+    so that stock `generate` reports the mistake itself."""
+    try:
+        bound = inspect.signature(_ORIGINALS["generate"]).bind_partial(None, *args, **kwargs)
+    except TypeError:
+        return None
+    named = dict(bound.arguments)
+    named.pop(next(iter(named)))  # self
+    extra = named.pop("kwargs", {})
+    return {**named, **extra}
 
 
-def _num_beams(model, kwargs):
-    if kwargs.get("num_beams") is not None:
-        return kwargs["num_beams"]
-    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
-        if config is not None and config.num_beams is not None:
-            return config.num_beams
-    return 1
+def _setting(model, call: dict, name: str):
+    """`(value, source)` of a generation setting as `generate` merges it: this call's keyword (an explicit None
+    included), else the passed `generation_config`'s value unless None, else the model's saved one."""
+    if name in call:
+        return call[name], "call"
+    passed = call.get("generation_config")
+    if passed is not None and getattr(passed, name, None) is not None:
+        return getattr(passed, name), "generation_config"
+    saved = getattr(getattr(model, "generation_config", None), name, None)
+    return saved, ("model" if saved is not None else None)
+
+
+def _spec_config(model, call: dict, strategy: str):
+    """The `spec_config` generate will use, and whether it must be dropped: one inherited from a generation config
+    that names another strategy belongs to that strategy."""
+    value, source = _setting(model, call, "spec_config")
+    owner = {"generation_config": call.get("generation_config"), "model": getattr(model, "generation_config", None)}
+    owner_strategy = getattr(owner.get(source), "spec_strategy", None)
+    if source in owner and owner_strategy is not None and owner_strategy != strategy:
+        return None, True
+    return value, False
+
+
+def _vocab_size(model) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "vocab_size", None)
 
 
 def _generate(self, *args, **kwargs):
-    strategy = _requested_strategy(self, kwargs)
+    call = _call_arguments(args, kwargs)
+    if call is None:
+        return _ORIGINALS["generate"](self, *args, **kwargs)
+    strategy, source = _setting(self, call, "spec_strategy")
     if strategy is None:
         return _ORIGINALS["generate"](self, *args, **kwargs)
+    if source == "model" and call.get("assistant_model") is None:
+        return _ORIGINALS["generate"](self, *args, **kwargs)  # saved, not asked for here: plain generate
     get_strategy_class(strategy)  # unknown names fail here, listing the valid ones
-    if kwargs.get("assistant_model") is None:
+    if call.get("assistant_model") is None:
         raise ValueError(f"spec_strategy={strategy!r} needs a drafter: pass assistant_model=... to generate().")
-    if _num_beams(self, kwargs) > 1:
+    num_beams, _ = _setting(self, call, "num_beams")
+    if num_beams is not None and num_beams > 1:
         raise ValueError("spec_strategy does not support beam search (num_beams > 1).")
-    if kwargs.get("custom_generate") is not None:
+    if call.get("custom_generate") is not None:
         raise ValueError("spec_strategy cannot be combined with custom_generate.")
-    token = _RAW_INPUTS.set(dict(kwargs))
+    spec_config, dropped = _spec_config(self, call, strategy)
+    vocab_size = _vocab_size(self)
+    resolved = resolve_config(strategy, spec_config, self.device)  # bad settings fail before any decoding
+    if vocab_size is not None:
+        resolved.check_vocab(vocab_size)
+    token = _REQUEST.set({"raw_inputs": dict(kwargs), "drop_spec_config": dropped})
     try:
         return _ORIGINALS["generate"](self, *args, **kwargs)
     finally:
-        _RAW_INPUTS.reset(token)
+        _REQUEST.reset(token)
 
 
 def _assisted_decoding(
@@ -82,16 +135,19 @@ def _assisted_decoding(
     tokenizer=None,
     **model_kwargs,
 ):
-    if getattr(generation_config, "spec_strategy", None) is None:
+    if getattr(generation_config, "spec_strategy", None) is None or assistant_model is None:
         return _ORIGINALS["_assisted_decoding"](
             self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
             streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
             assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
         )
+    request = _REQUEST.get() or {}
+    if request.get("drop_spec_config"):  # generation_config is this call's own merged copy
+        generation_config.spec_config = None
     return speculative_decode(
         self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
         assistant_model=assistant_model, tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
-        raw_inputs=_RAW_INPUTS.get(), synced_gpus=synced_gpus, **model_kwargs,
+        raw_inputs=request.get("raw_inputs"), synced_gpus=synced_gpus, **model_kwargs,
     )
 
 

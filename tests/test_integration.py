@@ -1,15 +1,16 @@
 """The generate() hook: stock behaviour without spec_strategy, install/uninstall, and clear refusals."""
 
+import copy
 import inspect
 import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerationMixin
 
 import hf_adaptive_spec
-from hf_adaptive_spec import SageConfig, StaticTreeConfig
+from hf_adaptive_spec import ChainConfig, SageConfig, StaticTreeConfig, integration
 from hf_adaptive_spec.compat import cache_argument, cache_from_kwargs, output_cache
 from hf_adaptive_spec.strategies import STRATEGIES, default_tree_paths
 from tiny_models import build_drafter, build_model, make_inputs
@@ -81,14 +82,17 @@ def test_registry_lists_strategies():
         (dict(spec_strategy="chain", spec_config={"num_draft_tokens": 0}), "ChainConfig.num_draft_tokens"),
         (dict(spec_strategy="chain", spec_config={"num_draft_tokens": 9}), "ChainConfig.num_draft_tokens"),
         (dict(spec_strategy="static_tree", spec_config={"paths": [(0, 1)]}), "prefix-closed"),
+        (dict(spec_strategy="static_tree", spec_config={"paths": [(0,), (200,)]}), "StaticTreeConfig.paths"),
         (dict(spec_strategy="sage", spec_config={"alpha_source": "future"}), "alpha_source"),
+        (dict(spec_strategy="sage", spec_config={"top_k": 500}), "SageConfig.top_k"),
+        (dict(spec_strategy="sage", spec_config={"depth": 3}), "SageConfig has no field 'depth'"),
         (dict(spec_strategy="sage", cache_implementation="static"), "Static cache|DynamicCache"),
         (dict(spec_strategy="sage", output_attentions=True, return_dict_in_generate=True), "output_attentions"),
     ],
 )
 def test_bad_requests_are_refused(pair, kwargs, message):
     target, drafter, inputs = pair
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         target.generate(**inputs, max_new_tokens=4, assistant_model=drafter, **kwargs)
 
 
@@ -204,3 +208,130 @@ def test_a_fresh_user_cache_is_accepted_and_runs_without_deprecation_warnings(pa
         out = target.generate(**inputs, max_new_tokens=8, do_sample=False, assistant_model=drafter,
                               spec_strategy="sage", **{cache_argument(target): DynamicCache(config=target.config)})
     assert torch.equal(out, expected)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the calls that reach this library's decoding loop."""
+    calls = []
+    original = integration.speculative_decode
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "speculative_decode", counting)
+    return calls
+
+
+@pytest.fixture
+def saved_sage(pair, monkeypatch):
+    """The pair's target with `sage` (d_max=2) saved in a copy of its generation config."""
+    target, drafter, inputs = pair
+    generation_config = copy.deepcopy(target.generation_config)
+    generation_config.spec_strategy = "sage"
+    generation_config.spec_config = SageConfig(d_min=1, d_max=2, depth_cap=2)
+    monkeypatch.setattr(target, "generation_config", generation_config)
+    return target, drafter, inputs
+
+
+def test_a_saved_strategy_runs_when_the_call_gives_a_drafter(saved_sage, spy):
+    target, drafter, inputs = saved_sage
+    expected = _stock_greedy(target, inputs)
+    out = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert len(spy) == 1 and out.spec_stats.strategy == "sage" and max(out.spec_stats.accepted_lengths) <= 2
+
+
+def test_a_saved_strategy_without_a_drafter_is_plain_generate(saved_sage, spy):
+    target, _, inputs = saved_sage
+    expected = _stock_greedy(target, inputs)
+    assert torch.equal(target.generate(**inputs, max_new_tokens=12, do_sample=False), expected)
+    assert torch.equal(target.generate(inputs["input_ids"], GenerationConfig(max_new_tokens=12, do_sample=False),
+                                       attention_mask=inputs["attention_mask"]), expected)
+    assert not spy
+
+
+def test_spec_strategy_none_per_call_overrides_a_saved_strategy(saved_sage, spy):
+    target, drafter, inputs = saved_sage
+    expected = _stock_greedy(target, inputs)
+    plain = target.generate(**inputs, max_new_tokens=12, do_sample=False, spec_strategy=None)
+    assisted = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                               spec_strategy=None, return_dict_in_generate=True)
+    assert torch.equal(plain, expected)
+    assert torch.equal(assisted.sequences, expected) and not hasattr(assisted, "spec_stats")  # stock assisted
+    assert not spy
+
+
+def test_a_per_call_strategy_does_not_take_a_config_saved_for_another(saved_sage, spy):
+    target, drafter, inputs = saved_sage
+    out = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                          spec_strategy="chain", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, _stock_greedy(target, inputs))
+    assert out.spec_stats.strategy == "chain" and len(spy) == 1
+    assert target.generation_config.spec_config == SageConfig(d_min=1, d_max=2, depth_cap=2)  # untouched
+
+
+def test_a_strategy_saved_with_the_model_round_trips(pair, tmp_path, spy):
+    target, drafter, inputs = pair
+    model = copy.deepcopy(target)
+    model.generation_config.spec_strategy = "static_tree"
+    model.generation_config.spec_config = StaticTreeConfig(paths=[(0,), (0, 0)])
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    assert loaded.generation_config.spec_strategy == "static_tree"
+    assert StaticTreeConfig.from_dict(loaded.generation_config.spec_config) == StaticTreeConfig(paths=[(0,), (0, 0)])
+    out = loaded.generate(**inputs, max_new_tokens=10, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, _stock_greedy(target, inputs, max_new_tokens=10))
+    assert out.spec_stats.strategy == "static_tree" and out.spec_stats.drafted_tokens <= 2 * out.spec_stats.rounds
+    assert len(spy) == 1
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(spec_strategy="sage", num_beams=2), "beam search"),
+        (dict(spec_strategy="nope"), "valid strategies"),
+        (dict(spec_strategy="static_tree", spec_config={"paths": [(0,), (200,)]}), "StaticTreeConfig.paths"),
+        (dict(spec_strategy="sage", spec_config=ChainConfig()), "must be a SageConfig"),
+    ],
+)
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_positional_generation_config_gets_the_same_checks(pair, spy, settings, message, positional):
+    target, drafter, inputs = pair
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, **settings)
+    with pytest.raises(ValueError, match=message):
+        if positional:
+            target.generate(inputs["input_ids"], config, assistant_model=drafter,
+                            attention_mask=inputs["attention_mask"])
+        else:
+            target.generate(**inputs, generation_config=config, assistant_model=drafter)
+    assert not spy
+
+
+def test_a_positional_generation_config_and_drafter_run_speculation(pair, spy):
+    target, drafter, inputs = pair
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, spec_strategy="chain")
+    with pytest.raises(ValueError, match="needs a drafter"):  # the call names the strategy: no silent fallback
+        target.generate(inputs["input_ids"], config, attention_mask=inputs["attention_mask"])
+    # generate(inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
+    #          synced_gpus, assistant_model, ...)
+    out = target.generate(inputs["input_ids"], config, None, None, None, None, drafter,
+                          attention_mask=inputs["attention_mask"])
+    assert torch.equal(out, _stock_greedy(target, inputs, max_new_tokens=10))
+    assert len(spy) == 1
+
+
+def _stock_greedy(target, inputs, max_new_tokens=12):
+    """Plain greedy `generate`, with the hook removed (so no saved strategy can apply)."""
+    hf_adaptive_spec.uninstall()
+    try:
+        saved = {name: target.generation_config.__dict__.pop(name, None) for name in ("spec_strategy", "spec_config")}
+        try:
+            return target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        finally:
+            target.generation_config.__dict__.update({k: v for k, v in saved.items() if v is not None})
+    finally:
+        hf_adaptive_spec.install()
