@@ -23,6 +23,7 @@ from .cost import CostModel, shared_calibration, verifier_cost_profile
 from .drafters.block import BlockDrafter
 from .drafters.independent import IndependentDrafter
 from .drafters.laspec import LaSpecDrafterModel
+from .final_cache import CACHE_FIELD, returned_cache
 from .ops import cpu_linear
 from .processors import SequenceBuffer, StopChecker, process_logits
 from .runner import ModelRunner
@@ -371,11 +372,14 @@ def _speculative_decode(
     sequences = buffer.sequences()
     if not return_dict:
         return sequences
+    # the last round broke out before committing: its tree is still the cache's tail
+    last_round = (path_index, counts) if cache.get_seq_length() > target.committed_length else None
     return SpecGenerateOutput(
         sequences=sequences,
         scores=_stack_steps(row_scores, buffer, sequences),
         logits=_stack_steps(row_logits, buffer, sequences),
         spec_stats=stats,
+        **{CACHE_FIELD: returned_cache(target, buffer, last_round)},
     )
 
 

@@ -256,3 +256,79 @@ def test_custom_logits_processor_sees_node_prefixes():
     assert torch.equal(out.sequences, expected)
     prompt_length = inputs["input_ids"].shape[1]
     assert min(seen_lengths) == prompt_length and max(seen_lengths) > prompt_length + 1
+
+
+def _caches(plain, out):
+    from hf_adaptive_spec.compat import output_cache
+
+    return output_cache(plain), output_cache(out)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("batch_size", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
+def test_returned_cache_is_plain_generates(arch, strategy, batch_size):
+    """Same length as plain generate's cache (`sequences` but the last token) and the same keys and values."""
+    target = _target(arch)
+    inputs = make_inputs(arch, batch_size=batch_size)
+    plain = _plain(target, inputs, return_dict_in_generate=True)
+    out = _spec(target, inputs, build_drafter(arch, target, "small"), strategy)
+    assert torch.equal(out.sequences, plain.sequences) and out.spec_stats.rounds > 1
+    theirs, mine = _caches(plain, out)
+    assert mine is not None and mine.get_seq_length() == theirs.get_seq_length() == out.sequences.shape[1] - 1
+    for a, b in zip(theirs.layers, mine.layers):
+        torch.testing.assert_close(b.keys, a.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.values, a.values, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_returned_cache_continues_like_plain_greedy(strategy, batch_size):
+    from hf_adaptive_spec.compat import cache_argument
+
+    target = _target("llama")
+    inputs = make_inputs("llama", batch_size=batch_size)
+    expected = _plain(target, inputs, max_new_tokens=MAX_NEW + 8)
+    out = _spec(target, inputs, build_drafter("llama", target, "copy"), strategy)
+    sequences = out.sequences
+    mask = torch.cat([inputs["attention_mask"], torch.ones_like(sequences[:, inputs["input_ids"].shape[1]:])], 1)
+    _, cache = _caches(out, out)
+    more = target.generate(input_ids=sequences, attention_mask=mask, do_sample=False, max_new_tokens=8,
+                           **{cache_argument(target): cache})
+    assert torch.equal(more, expected)
+
+
+def test_returned_cache_of_rows_that_end_early():
+    """A row that stops before the longest keeps its committed slots; from its last token on it holds zeros (plain
+    generate keeps stepping it on pad tokens)."""
+    target = _target("llama")
+    inputs = make_inputs("llama", batch_size=2)
+    prompt_length = inputs["input_ids"].shape[1]
+    eos = int(_plain(target, inputs)[0, prompt_length + 5])
+    plain = _plain(target, inputs, eos_token_id=eos, return_dict_in_generate=True)
+    out = _spec(target, inputs, build_drafter("llama", target, "small"), "sage", eos_token_id=eos)
+    assert torch.equal(out.sequences, plain.sequences)
+    theirs, mine = _caches(plain, out)
+    assert mine.get_seq_length() == theirs.get_seq_length() == out.sequences.shape[1] - 1
+    end = prompt_length + out.sequences[0, prompt_length:].tolist().index(eos)  # row 0's last token
+    assert end < out.sequences.shape[1] - 1
+    for a, b in zip(theirs.layers, mine.layers):
+        torch.testing.assert_close(b.keys[0, :, :end], a.keys[0, :, :end], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.keys[1], a.keys[1], atol=1e-4, rtol=1e-4)
+        assert not b.keys[0, :, end:].any() and not b.values[0, :, end:].any()
+
+
+def test_returned_cache_without_rounds_and_under_sampling():
+    target = _target("qwen2")
+    inputs = make_inputs("qwen2", batch_size=2)
+    drafter = build_drafter("qwen2", target, "small")
+    out = _spec(target, inputs, drafter, "sage", max_new_tokens=1)
+    plain = _plain(target, inputs, max_new_tokens=1, return_dict_in_generate=True)
+    theirs, mine = _caches(plain, out)
+    assert out.spec_stats.rounds == 0
+    assert mine.get_seq_length() == theirs.get_seq_length() == inputs["input_ids"].shape[1]
+    torch.manual_seed(0)
+    sampled = target.generate(**inputs, do_sample=True, max_new_tokens=MAX_NEW, assistant_model=drafter,
+                              spec_strategy="sage", return_dict_in_generate=True)
+    _, cache = _caches(sampled, sampled)
+    assert cache.get_seq_length() == sampled.sequences.shape[1] - 1
