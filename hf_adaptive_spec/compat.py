@@ -9,10 +9,14 @@ from __future__ import annotations
 import inspect
 
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from .windows import attention_layout
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-_FULL_ATTENTION_LAYER_TYPES = ("full_attention",)
+# forward arguments of models whose decoder attends to another sequence (image states, an encoder) through
+# cross-attention layers: their cache holds those states, and their masks are per step
+_CROSS_ATTENTION_ARGUMENTS = ("cross_attention_states", "cross_attention_mask", "encoder_hidden_states")
 # raw multimodal inputs a drafter may need in its prefill
 MULTIMODAL_KEYS = (
     "pixel_values",
@@ -26,6 +30,7 @@ MULTIMODAL_KEYS = (
     "batch_num_images",
     "second_per_grid_ts",
     "pixel_attention_mask",
+    "token_type_ids",  # image / prefix blocks that attend bidirectionally in the prefill (Gemma 3, PaliGemma)
 )
 
 
@@ -74,27 +79,35 @@ def check_model(model, role: str) -> None:
             f"(flash-attention treats masks as 2D padding). Load it with attn_implementation=\"sdpa\" "
             f"(supported: {', '.join(SUPPORTED_ATTENTION)})."
         )
-    layer_types = getattr(text_config, "layer_types", None) or ()
-    other = sorted({t for t in layer_types if t not in _FULL_ATTENTION_LAYER_TYPES})
-    if other:
-        raise ValueError(
-            f"The {role} {name} has layers of type {other}; spec_strategy supports only full-attention layers "
-            "(recurrent, linear-attention and sliding-window layers are not supported yet)."
+    try:
+        attention_layout(model)  # full, sliding-window and chunked layers only
+    except ValueError as error:
+        raise ValueError(f"The {role}: {error}") from None
+    parameters = inspect.signature(model.forward).parameters
+    cross = [argument for argument in _CROSS_ATTENTION_ARGUMENTS if argument in parameters]
+    if cross:
+        raise NotImplementedError(
+            f"The {role} {name} attends to a second sequence through cross-attention layers (its forward takes "
+            f"{', '.join(cross)}): their cache and per-step masks are not carried through tree rounds; "
+            "spec_strategy supports self-attention decoders only."
         )
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+    if "position_ids" not in parameters:
         raise ValueError(f"The {role} {name} does not accept explicit position_ids, which tree verification needs.")
 
 
 def check_cache(cache, role: str) -> None:
-    """Only an empty `DynamicCache` of plain full-attention layers is supported."""
+    """Only an empty `DynamicCache` of full-attention or sliding-window layers is supported (the sliding ones
+    are swapped for full layers by `windows.full_layer_cache` before the prefill)."""
     if type(cache) is not DynamicCache:
         raise ValueError(
             f"spec_strategy needs a DynamicCache for the {role}, got {type(cache).__name__}; "
             "do not pass cache_implementation or a static/quantized/offloaded cache."
         )
-    bad = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    allowed = (DynamicLayer, DynamicSlidingWindowLayer)
+    bad = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in allowed})
     if bad:
-        raise ValueError(f"The {role}'s cache has layers of type {bad}; spec_strategy supports DynamicLayer only.")
+        raise ValueError(f"The {role}'s cache has layers of type {bad}; spec_strategy supports DynamicLayer and "
+                         "DynamicSlidingWindowLayer only.")
     if cache.get_seq_length() != 0:
         raise ValueError("spec_strategy cannot continue from a non-empty cache (past_key_values); pass a fresh cache or none.")
 

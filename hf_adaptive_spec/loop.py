@@ -27,6 +27,7 @@ from .final_cache import CACHE_FIELD, returned_cache
 from .ops import cpu_linear
 from .processors import SequenceBuffer, StopChecker, process_logits
 from .runner import ModelRunner
+from .windows import full_layer_cache
 from .strategies import get_strategy_class, resolve_config
 
 
@@ -190,6 +191,7 @@ def _speculative_decode(
         raise ValueError("spec_strategy needs use_cache=True.")
     cache = cache_from_kwargs(model_kwargs)
     check_cache(cache, "target")
+    full_layer_cache(cache)  # windows are applied by the masks; every slot stays (see `windows`)
     if model_kwargs.get("position_ids") is None:
         raise ValueError(f"{type(model).__name__} gets no position_ids from generate; spec_strategy needs them.")
 
@@ -217,7 +219,8 @@ def _speculative_decode(
                                lookup_tokens=getattr(config, "lookup_tokens", None),
                                datastore=_drafter_datastore(assistant_model, config),
                                datastore_tokens=getattr(config, "datastore_tokens", None))
-    with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext():
+    with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext(), \
+            _prefill_positions(model) as used_positions:
         outputs = model._prefill(input_ids, generation_config, prefill_kwargs)
     if cache.get_seq_length() != input_ids.shape[1]:
         raise ValueError(
@@ -234,7 +237,7 @@ def _speculative_decode(
     prefill_hidden = outputs.hidden_states if block_drafter else None
     del outputs
     slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    target = ModelRunner(model, cache, slot_valid, position_ids)
+    target = ModelRunner(model, cache, slot_valid, used_positions.get("position_ids", position_ids))
     first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
 
     if device.type == "cpu":  # measured on CPUs only (no GPU figures yet): both change float rounding, not math
@@ -381,6 +384,23 @@ def _speculative_decode(
         spec_stats=stats,
         **{CACHE_FIELD: returned_cache(target, buffer, last_round)},
     )
+
+
+@contextlib.contextmanager
+def _prefill_positions(model):
+    """Records the position ids the model's forward receives in the prefill: `prepare_inputs_for_generation`
+    may shift those `generate` prepared (PaliGemma counts from 1), and rounds must continue the same way."""
+    used = {}
+
+    def record(module, args, kwargs):
+        if "position_ids" not in used and kwargs.get("position_ids") is not None:
+            used["position_ids"] = kwargs["position_ids"]
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield used
+    finally:
+        handle.remove()
 
 
 def _expand(path_index, values):

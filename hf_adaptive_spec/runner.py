@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from . import ops
 from .compat import cache_argument
 from .lean import lean_forward
+from .windows import attention_layout
 
 
 class ModelRunner:
@@ -49,6 +50,7 @@ class ModelRunner:
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_argument = cache_argument(model)
         self._lean = lean_forward(model)  # the same operations without transformers' Python, where supported
+        self.layout = attention_layout(model)  # sliding-window / chunked layers: their windows go in the mask
         self.model_time = 0.0  # seconds inside the model's forward, for the time split
 
     @property
@@ -100,21 +102,35 @@ class ModelRunner:
         if self._accepts_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
         position_ids = self.position_ids(depths[:, tail:])
+        if self.layout is not None:  # text positions of the queries and of every key slot (committed | tail)
+            node_positions = self.next_position[:, None] + depths
+            slot_positions = self.slot_valid.long().cumsum(-1) - 1
+            mask = self.layout.restrict(mask, node_positions[:, tail:], torch.cat([slot_positions, node_positions], 1))
         start = time.perf_counter()
-        lean = self._lean is not None and self._lean.applies(input_ids) and set(model_kwargs) <= {"output_hidden_states"}
+        lean = (self._lean is not None and self._lean.applies(input_ids) and isinstance(mask, torch.Tensor)
+                and set(model_kwargs) <= {"output_hidden_states"})
         if lean:
             output = self._lean(input_ids, mask, position_ids, self.cache, logits_to_keep=logits_to_keep,
                                 output_hidden_states=bool(model_kwargs.get("output_hidden_states")))
         else:
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,  # (B, 1, M, S + T)
-                position_ids=position_ids,
-                use_cache=True,
-                return_dict=True,
-                **{self._cache_argument: self.cache},
-                **kwargs,
-            )
+            try:
+                output = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask,  # (B, 1, M, S + T), or one such mask per layer type
+                    position_ids=position_ids,
+                    use_cache=True,
+                    return_dict=True,
+                    **{self._cache_argument: self.cache},
+                    **kwargs,
+                )
+            except (AttributeError, TypeError, KeyError) as error:
+                if isinstance(mask, torch.Tensor):
+                    raise
+                raise NotImplementedError(
+                    f"{type(self.model).__name__} mixes full and windowed attention layers, and its forward does "
+                    f"not take one attention mask per layer type ({type(error).__name__}: {error}); spec_strategy "
+                    "cannot carry the windows of its layers past the first window's length."
+                ) from error
         self.model_time += time.perf_counter() - start
         return output
 

@@ -18,6 +18,7 @@ from ..compat import MULTIMODAL_KEYS, cache_argument, check_cache
 from ..runner import ModelRunner
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
+from ..windows import full_layer_cache
 from .levels import choose_level
 
 
@@ -41,6 +42,7 @@ class IndependentDrafter:
         model = self.model
         cache = DynamicCache(config=model.config)
         check_cache(cache, "drafter")
+        full_layer_cache(cache)
         accepted = set(inspect.signature(model.forward).parameters)
         kwargs = {k: raw_inputs[k] for k in MULTIMODAL_KEYS if raw_inputs.get(k) is not None and k in accepted}
         if attention_mask is not None:
@@ -59,7 +61,9 @@ class IndependentDrafter:
                 "prompt; its processor must expand image tokens like the target's."
             )
         slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-        self.runner = ModelRunner(model, cache, slot_valid, position_ids)
+        # the positions the forward ran with (prepare_inputs_for_generation may shift them: PaliGemma)
+        used = inputs.get("position_ids")
+        self.runner = ModelRunner(model, cache, slot_valid, used if used is not None else position_ids)
 
     @property
     def model_time(self) -> float:
