@@ -42,7 +42,7 @@ from .ops import cpu_linear
 from .strategies.base import descending_rank
 
 __all__ = ["AcceptanceCalibrator", "Calibration", "CostModel", "CostProfile", "LookupCalibrator", "choose_prefix",
-           "measure_verifier_cost", "shared_calibration", "verifier_cost_profile"]
+           "measure_verifier_cost", "refine_profile", "shared_calibration", "verifier_cost_profile"]
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 _MEMORY: dict[str, "CostProfile"] = {}
@@ -148,16 +148,36 @@ def measure_verifier_cost(runner, sizes=DEFAULT_SIZES, repeats: int = 3) -> Cost
     return CostProfile(sizes=list(sizes), seconds=seconds)
 
 
+def _profile_path(key: str) -> Path:
+    return _cost_dir() / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def _store(profile: CostProfile, use_disk: bool = True) -> None:
+    """Keep `profile` in memory and (atomically) on disk under its key."""
+    _MEMORY[profile.key] = profile
+    if not use_disk:
+        return
+    path = _profile_path(profile.key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(profile.to_dict()))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache folder only costs a re-measure next time
+
+
 def verifier_cost_profile(runner, sizes=DEFAULT_SIZES, repeats: int = 3, use_disk: bool = True) -> CostProfile:
     """The target's cost profile: from memory, else from disk, else measured now (and stored).
 
-    Set `HF_ADAPTIVE_SPEC_COST_REFRESH=1` to measure again.
+    Set `HF_ADAPTIVE_SPEC_COST_REFRESH=1` to measure again. Rounds correct a stored profile that disagrees
+    with what they measure (`refine_profile`).
     """
     key = _profile_key(runner.model, runner.slot_valid.shape[0], runner.lean)
     refresh = os.environ.get("HF_ADAPTIVE_SPEC_COST_REFRESH") == "1"
     if key in _MEMORY and not refresh:
         return _MEMORY[key]
-    path = _cost_dir() / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+    path = _profile_path(key)
     profile = None
     if use_disk and path.exists() and not refresh:
         try:
@@ -169,16 +189,47 @@ def verifier_cost_profile(runner, sizes=DEFAULT_SIZES, repeats: int = 3, use_dis
     if profile is None:
         profile = measure_verifier_cost(runner, sizes, repeats)
         profile.key = key
-        if use_disk:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(profile.to_dict()))
-                tmp.replace(path)
-            except OSError:
-                pass  # a read-only cache folder only costs a re-measure next time
-    _MEMORY[key] = profile
+        _store(profile, use_disk)
+    else:
+        _MEMORY[key] = profile
     return profile
+
+
+# a profile is corrected once rounds measured at least this many verification forwards, when their times
+# disagree with it by more than the tolerance (overall, or at one size seen at least `_MIN_PER_SIZE` times)
+_MIN_OBSERVED = 8
+_MIN_PER_SIZE = 3
+_TOLERANCE = 0.25
+
+
+def refine_profile(profile: CostProfile, observed: dict, use_disk: bool = True) -> CostProfile:
+    """`profile` corrected by verification times measured in rounds, stored in its place; or `profile` itself.
+
+    A profile is measured once per machine and kept on disk: measured while the machine was busy, it
+    overprices every node for good. Rounds time their verification forward anyway, so: with `observed`
+    `{n: [seconds, ...]}` (forwards over n new tokens), the median ratio of measured to profiled time rescales
+    the whole curve, and each size seen `_MIN_PER_SIZE` times takes its own median. Nothing changes while the
+    rounds agree with the profile within `_TOLERANCE`.
+    """
+    count = sum(len(times) for times in observed.values())
+    if count < _MIN_OBSERVED:
+        return profile
+    ratios = [seconds / profile.time(n) for n, times in observed.items() for seconds in times]
+    ratio = statistics.median(ratios)
+    medians = {n: statistics.median(times) for n, times in observed.items() if len(times) >= _MIN_PER_SIZE}
+
+    def off(measured, expected):
+        return abs(measured / expected - 1.0) > _TOLERANCE
+
+    if not off(ratio, 1.0) and not any(off(seconds, profile.time(n)) for n, seconds in medians.items()):
+        return profile
+    points = {n: seconds * ratio for n, seconds in zip(profile.sizes, profile.seconds)}
+    points.update(medians)
+    sizes = sorted(points)
+    refined = CostProfile(sizes=sizes, seconds=[points[n] for n in sizes], key=profile.key)
+    if profile.key:
+        _store(refined, use_disk)
+    return refined
 
 
 class AcceptanceCalibrator:
@@ -373,6 +424,7 @@ class CostModel:
         self._plain = [0.0, 0.0]
         self._drafted_rounds = 0
         self._paused_in_a_row = 0
+        self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
     # a paused call drafts again every `PROBE_EVERY` rounds, to see whether drafting pays again
     PROBE_EVERY = 8
@@ -468,3 +520,11 @@ class CostModel:
             size = min(tree.tokens.shape[1], len(self._seconds) - 1)
             ratio = verify_seconds / self._seconds[size]
             self.scale += self.smoothing * (ratio - self.scale)
+            self.observed.setdefault(tree.tokens.shape[1], []).append(verify_seconds)
+
+    def refine_profile(self) -> CostProfile:
+        """At the end of a call: store the profile corrected by this call's measured forwards, where they
+        disagree with it (`refine_profile`; host times, so only with `live_scale`)."""
+        if not self.live_scale:
+            return self.profile
+        return refine_profile(self.profile, self.observed)

@@ -369,6 +369,8 @@ def _speculative_decode(
 
     if streamer is not None:
         streamer.end()
+    if cost is not None:  # a stored cost curve that these rounds contradict is corrected for the next call
+        cost.refine_profile()
     trace.finish(stats)
     stats.new_tokens = int((buffer.lengths - buffer.prompt_length).sum())
     stats.time_total = time.perf_counter() - start_time

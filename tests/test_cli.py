@@ -44,6 +44,7 @@ class _Digits:
         return " ".join(str(int(i)) for i in ids)
 
 
+@pytest.mark.measured_cost
 def test_demo_times_speculation_after_the_one_off_cost_curve(tmp_path, monkeypatch, capsys):
     # a fresh machine has no cost curve yet: measuring it (~20 s for the demo's 1.5B target on 2 cores) must
     # happen in the warm-up, not in the timed speculative run that the demo compares with plain generate

@@ -203,6 +203,7 @@ def test_calibration_is_kept_across_generate_calls_of_one_drafter(monkeypatch):
     assert fresh.scale == 1.0 and fresh.calibrator is first.calibrator and scale != 1.0
 
 
+@pytest.mark.measured_cost
 def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
     model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", smoothing=0.5)
     assert not model.pause_drafting()  # nothing measured yet
@@ -239,3 +240,39 @@ def test_paused_rounds_keep_the_output_exact(arch, monkeypatch):
                           spec_strategy="laspec", return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     assert out.spec_stats.paused_rounds == len(calls) // 2 > 0
+
+
+def test_rounds_correct_a_profile_that_disagrees_with_them(tmp_path, monkeypatch):
+    """A curve measured while the machine was busy (here 4x too slow, and 9x at 3 tokens) is corrected from the
+    forwards rounds time, in memory and on disk; one that agrees with them is left as it is."""
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost, "_MEMORY", {})
+    busy = CostProfile(sizes=[1, 2, 4, 8], seconds=[4.0, 4.0, 8.0, 8.0], key="test|busy")
+    observed = {1: [1.0] * 4, 3: [0.6] * 3, 8: [2.0]}  # T(3) profiled at 6 s, measured 0.6 s
+    refined = cost.refine_profile(busy, observed)
+    assert refined.sizes == [1, 2, 3, 4, 8]
+    assert refined.seconds == pytest.approx([1.0, 1.0, 0.6, 2.0, 2.0])  # x0.25 (median ratio), 3 measured
+    assert cost._MEMORY["test|busy"] is refined
+    (stored,) = (tmp_path / "_verifier_cost").glob("*.json")
+    assert json.loads(stored.read_text()) == refined.to_dict()
+    assert cost.refine_profile(refined, {1: [1.1] * 5, 3: [0.55] * 3}) is refined  # agrees within 25%
+    assert cost.refine_profile(busy, {1: [1.0] * 4}) is busy  # too few forwards to judge
+
+
+def test_generate_refines_the_stored_profile(tmp_path, monkeypatch):
+    """The loop feeds its verification times back: a stored profile 1000x slower than this machine (seconds
+    where forwards take milliseconds) is replaced after one call."""
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost, "_MEMORY", {})
+    slow = CostProfile(sizes=[1, 2, 4, 8, 16], seconds=[5.0, 5.0, 6.0, 7.0, 8.0], key="test|slow")
+    monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: cost._MEMORY.get(slow.key, slow))
+    target = build_model("llama")
+    inputs = make_inputs("llama", batch_size=1)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=build_drafter("llama", target, "copy"),
+                          spec_strategy="chain", spec_config={"verify_cost": True, "num_draft_tokens": 1,
+                                                              "adaptive": False})
+    assert torch.equal(out, expected)
+    refined = cost._MEMORY[slow.key]
+    assert refined is not slow and max(refined.seconds) < 1.0
+    assert list((tmp_path / "_verifier_cost").glob("*.json"))
