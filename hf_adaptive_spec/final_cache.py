@@ -8,6 +8,8 @@ and lays the slots out like plain generate, so the cache continues generation as
 Differences from plain generate's cache: the values come from tree verification (the same math, fp rounding
 may differ), and a row that ended before the longest one (EOS, a stopping criterion) has zeros in the slots
 from its last token on, where plain generate, which keeps stepping finished rows, holds the pad tokens it fed.
+Sliding-window layers keep every slot (`windows.full_layer_cache`), where plain generate's keep the last window:
+the masks apply the window, so generation continues from either cache to the same tokens.
 """
 
 from __future__ import annotations

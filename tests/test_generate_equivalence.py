@@ -332,3 +332,22 @@ def test_returned_cache_without_rounds_and_under_sampling():
                               spec_strategy="sage", return_dict_in_generate=True)
     _, cache = _caches(sampled, sampled)
     assert cache.get_seq_length() == sampled.sequences.shape[1] - 1
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_returned_cache_of_a_sliding_window_model_continues_like_plain_generates(family):
+    """Its sliding layers keep every slot (plain generate's keep the window); continuing gives the same tokens."""
+    import tiny_families
+    from hf_adaptive_spec.compat import cache_argument
+
+    target = tiny_families.build(family)
+    inputs = tiny_families.make_inputs(family, batch_size=1)
+    plain = _plain(target, inputs, max_new_tokens=16, return_dict_in_generate=True)
+    out = _spec(target, inputs, tiny_families.drafter(family, target, "small"), "sage", max_new_tokens=16)
+    assert torch.equal(out.sequences, plain.sequences)
+    theirs, mine = _caches(plain, out)
+    assert mine.get_seq_length() == theirs.get_seq_length() == out.sequences.shape[1] - 1
+    mask = torch.ones_like(out.sequences)
+    continued = [target.generate(input_ids=out.sequences, attention_mask=mask, do_sample=False, max_new_tokens=8,
+                                 **{cache_argument(target): cache}) for cache in (theirs, mine)]
+    assert torch.equal(continued[0], continued[1])
