@@ -123,7 +123,7 @@ def test_vocabulary_mismatch_is_refused(pair):
         target.generate(**inputs, max_new_tokens=4, assistant_model=other, spec_strategy="sage")
 
 
-def test_sliding_window_model_is_refused(pair):
+def test_qwen2_with_sliding_windows_is_exact(pair):
     _, _, inputs = pair
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1)
@@ -132,10 +132,14 @@ def test_sliding_window_model_is_refused(pair):
     qwen_config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
                               sliding_window=4, max_window_layers=0)
+    torch.manual_seed(0)
     target = Qwen2ForCausalLM(qwen_config).eval()
     drafter = LlamaForCausalLM(config).eval()
-    with pytest.raises(ValueError, match="sliding"):
-        target.generate(**inputs, max_new_tokens=4, assistant_model=drafter, spec_strategy="sage")
+    assert inputs["attention_mask"].sum(-1).max() > 4  # the prompt is longer than the window
+    expected = target.generate(**inputs, max_new_tokens=12, do_sample=False)
+    out = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                          spec_strategy="sage")
+    assert torch.equal(out, expected)
 
 
 def test_recurrent_model_is_refused(pair):
