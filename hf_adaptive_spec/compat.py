@@ -11,6 +11,7 @@ import inspect
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .attention import text_attention
 from .windows import attention_layout
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -72,7 +73,8 @@ def check_model(model, role: str) -> None:
             "spec_strategy supports attention-only models."
         )
     text_config = _text_config(model)
-    attn = getattr(text_config, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", None)
+    # (a speculative call of another thread may hold the model switched to the library's sdpa: still "sdpa")
+    attn = text_attention(model) or getattr(model.config, "_attn_implementation", None)
     if attn not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"The {role} {name} uses attn_implementation={attn!r}, which cannot carry a tree attention mask "

@@ -386,7 +386,8 @@ def shared_calibration(drafter, key: str, device) -> Calibration:
     first use and forgotten with the drafter."""
     per_drafter = _CALIBRATIONS.setdefault(drafter, {})
     if key not in per_drafter:
-        per_drafter[key] = Calibration.fresh(device)
+        with torch.inference_mode(False):  # ordinary tensors: updated in place by later calls in any mode
+            per_drafter[key] = Calibration.fresh(device)
     return per_drafter[key]
 
 

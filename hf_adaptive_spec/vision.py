@@ -24,16 +24,13 @@ Typical use (the decoding loop wires this; shapes in the docstrings):
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import ops
-from .attention import tree_sdpa_attention
+from .attention import TREE_SDPA, recording_queries, register_tree_attention, switched_attention
 
 __all__ = [
     "CAPTURE_ATTENTION",
@@ -41,16 +38,9 @@ __all__ = [
     "select_visual_tokens",
     "QueryCapture",
     "register_capture_attention",
-    "text_attention_implementation",
 ]
 
-CAPTURE_ATTENTION = "hf_adaptive_spec_query_capture"
-
-# Captures currently inside their `with` block (innermost last). The attention function looks its module up in
-# each; a module belongs to at most one capture's model, so nesting captures of different models is safe.
-_ACTIVE_CAPTURES: contextvars.ContextVar[tuple[QueryCapture, ...]] = contextvars.ContextVar(
-    "hf_adaptive_spec_active_captures", default=()
-)
+CAPTURE_ATTENTION = TREE_SDPA  # the implementation a captured model runs (see `attention`)
 
 
 # --------------------------------------------------------------------------- key store
@@ -200,59 +190,13 @@ def select_visual_tokens(
 # --------------------------------------------------------------------------- query capture
 
 
-def _capture_attention(module, query, key, value, attention_mask, **kwargs):
-    """Attention function: record the query (B, H, Q, D) of captured layers, then run sdpa (tree-folded)."""
-    for capture in reversed(_ACTIVE_CAPTURES.get()):
-        layer = capture._layer_of_module.get(id(module))
-        if layer is not None:
-            if layer in capture.layer_ids:
-                capture.queries[layer] = query.detach()
-            break
-    return tree_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
-
-
 def register_capture_attention() -> str:
-    """Register the capturing attention (and its sdpa mask) under `CAPTURE_ATTENTION`; idempotent.
+    """Register the attention queries are captured through (`attention.TREE_SDPA`, with sdpa's mask); idempotent.
 
     The mask registration is required: without it the model builds no mask for this implementation, sdpa
     falls back to `is_causal`, and multi-token (padded or tree) forwards are silently wrong.
     """
-    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
-    AttentionMaskInterface.register(CAPTURE_ATTENTION, sdpa_mask)
-    return CAPTURE_ATTENTION
-
-
-def _text_config_key(config) -> str | None:
-    """Name of the sub-config holding the text model (None for a plain LM)."""
-    text_config = config.get_text_config()
-    if text_config is config:
-        return None
-    for key in config.sub_configs:
-        if getattr(config, key, None) is text_config:
-            return key
-    raise ValueError(f"Cannot find the text sub-config of {type(config).__name__} among {list(config.sub_configs)}.")
-
-
-@contextlib.contextmanager
-def text_attention_implementation(model, name: str):
-    """Switch the text (sub-)model of `model` to attention implementation `name` inside a `with` block.
-
-    LMs: `model.set_attn_implementation(name)`. VLMs: `{"<text_config>": name, <other sub-configs>: unchanged}`,
-    so the vision tower keeps its own implementation. The previous implementations are restored on exit.
-    """
-    config = model.config
-    key = _text_config_key(config)
-    if key is None:
-        previous = config._attn_implementation
-        model.set_attn_implementation(name)
-    else:
-        previous = {sub: getattr(config, sub)._attn_implementation
-                    for sub in config.sub_configs if getattr(config, sub, None) is not None}
-        model.set_attn_implementation({**previous, key: name})
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(previous)
+    return register_tree_attention()
 
 
 def _text_attention_modules(model) -> dict[int, int]:
@@ -301,17 +245,24 @@ class QueryCapture:
     def __enter__(self) -> QueryCapture:
         if self._stack is not None:
             raise RuntimeError("This QueryCapture is already active.")
-        register_capture_attention()
         stack = contextlib.ExitStack()
-        stack.enter_context(text_attention_implementation(self.model, CAPTURE_ATTENTION))
-        self._token = _ACTIVE_CAPTURES.set(_ACTIVE_CAPTURES.get() + (self,))
+        stack.enter_context(switched_attention(self.model))  # raises unless the model runs sdpa
+        stack.enter_context(recording_queries(self._record))
         self._stack = stack
         return self
 
     def __exit__(self, *exc_info) -> None:
-        _ACTIVE_CAPTURES.reset(self._token)
-        stack, self._stack, self._token = self._stack, None, None
+        stack, self._stack = self._stack, None
         stack.close()
+
+    def _record(self, module, query) -> bool:
+        """Keep the query of a captured layer of this model; True when `module` is one of this model's."""
+        layer = self._layer_of_module.get(id(module))
+        if layer is None:
+            return False
+        if layer in self.layer_ids:
+            self.queries[layer] = query.detach()
+        return True
 
     def clear(self) -> None:
         self.queries = {}

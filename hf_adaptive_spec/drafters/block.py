@@ -29,6 +29,7 @@ from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
 from .host_tree import HostTree, budget_tree, latest_match
 from .levels import choose_level
+from ..attention import text_attention
 from ..vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .laspec import LaSpecDrafterModel, gather_target_hidden, spread_to_vocabulary
 
@@ -128,7 +129,7 @@ class BlockDrafter:
         if self.num_visual_tokens <= 0 or not any(layer.visual_gate.abs().sum() > 0 for layer in self.model.layers):
             return nullcontext()  # an untrained (zero) gate makes the visual branch an exact no-op: skip its cost
         mask = image_token_mask(self.target, input_ids)
-        if mask is None:
+        if mask is None or text_attention(self.target) != "sdpa":  # queries are captured through sdpa
             return nullcontext()
         self.image_mask = mask
         self.capture = QueryCapture(self.target, self.layer_ids)

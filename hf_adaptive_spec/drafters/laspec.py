@@ -55,7 +55,7 @@ from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedMode
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
-from ..ops import cpu_linear
+from ..ops import cpu_linear, tensor_version
 
 __all__ = [
     "ContextKV",
@@ -639,7 +639,7 @@ class LaSpecDrafterModel(PreTrainedModel):
             raise ValueError("draft_vocab_logits needs a draft vocabulary (set_draft_vocabulary).")
         lm_head = self._target()[1]
         weight = lm_head.weight
-        key = (weight.data_ptr(), weight.device, weight.dtype, weight._version, self.draft_vocab.data_ptr())
+        key = (weight.data_ptr(), weight.device, weight.dtype, tensor_version(weight), self.draft_vocab.data_ptr())
         cached = self.__dict__.get("_draft_head")
         if cached is None or cached[0] != key:
             rows = weight.detach()[self.draft_vocab]

@@ -31,7 +31,14 @@ __all__ = [
     "visual_vote",
     "use_backend",
     "triton_available",
+    "tensor_version",
 ]
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """`tensor._version`, for keys of caches derived from a tensor; -1 for an inference tensor (made under
+    `torch.inference_mode()`), which has no version counter and cannot change outside inference mode."""
+    return -1 if tensor.is_inference() else tensor._version
+
 
 _BACKEND = contextvars.ContextVar("hf_adaptive_spec_ops_backend", default="auto")
 _BACKENDS = ("auto", "torch", "triton")

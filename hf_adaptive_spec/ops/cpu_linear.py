@@ -36,6 +36,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import scoped
+from . import scoped, tensor_version
 
 __all__ = ["linear", "fast_linears", "active", "enabled", "available", "use_cpu_kernels", "use_compact_weights",
            "compact_linear", "MIN_ROWS", "max_rows"]
@@ -58,7 +59,9 @@ _ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"]}  # 
 _FLAGS = ["-O3", "-fopenmp"]
 _MODES = ("auto", "0", "1")
 _MODE = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels", default=None)
-_ACTIVE = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels_active", default=False)
+_ACTIVE = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels_active", default=False)  # in a fast_linears block
+# ids of the models whose layers run the kernel in this context (inside its `fast_linears` blocks)
+_ACTIVE_MODELS = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels_models", default=frozenset())
 _COMPACT = contextvars.ContextVar("hf_adaptive_spec_cpu_compact_weights", default=True)
 _COMPACT_MODELS = contextvars.ContextVar("hf_adaptive_spec_cpu_compact_models", default=frozenset())
 _COMPACT_KEY = "_hf_adaptive_spec_bf16_weight"  # where a layer (or a holder dict) keeps its bf16 copy
@@ -194,7 +197,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _compact_copy(weight: torch.Tensor, holder: dict) -> torch.Tensor:
     """The bf16 copy of `weight` kept in `holder`, made again when the weight changed (storage or version)."""
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    key = (weight.data_ptr(), tensor_version(weight), tuple(weight.shape))
     cached = holder.get(_COMPACT_KEY)
     if cached is None or cached[0] != key:
         cached = (key, weight.detach().to(torch.bfloat16).contiguous())
@@ -213,18 +216,26 @@ def compact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return _extension().linear(x, weight, bias, 1, max_rows(), _compact_copy(weight, holder))
 
 
-def _routed_forward(module: nn.Linear, kernel_linear, most_rows: int, compact: bool):
-    """`module.forward` through the compiled dispatcher (checks and fallback in C++), bound by fast_linears;
-    a `compact` layer reads its bf16 copy (kept in the module's `__dict__`) for 1..most_rows rows."""
-    if compact:
-        def forward(input):
+def _routed_forward(module: nn.Linear, kernel_linear, most_rows: int, owner: int):
+    """`module.forward` while some `fast_linears` block holds it: the compiled dispatcher (checks and fallback in
+    C++) in a context inside such a block, for the layers of its models (a `compact` model's layers read their
+    bf16 copy, kept in the module's `__dict__`, for 1..most_rows rows); `nn.Linear.forward` anywhere else, so
+    another thread running the same model is bitwise stock."""
+
+    def forward(input):
+        if owner not in _ACTIVE_MODELS.get():
+            return nn.Linear.forward(module, input)
+        if owner in _COMPACT_MODELS.get():
             return kernel_linear(input, module.weight, module.bias, 1, most_rows,
                                  _compact_copy(module.weight, module.__dict__))
-    else:
-        def forward(input):
-            return kernel_linear(input, module.weight, module.bias, MIN_ROWS, most_rows)
+        return kernel_linear(input, module.weight, module.bias, MIN_ROWS, most_rows)
 
     return forward
+
+
+# id(nn.Linear) -> (the forward set on it, how many fast_linears blocks hold it)
+_ROUTED: dict[int, list] = {}
+_ROUTED_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -234,33 +245,49 @@ def fast_linears(*models, compact=()):
     The layers of the models in `compact` (drafters only: never a target) read bf16 copies of their weights
     for 1..`max_rows()` rows while `use_compact_weights` is on (see the module docstring). Layers whose `forward` is already replaced on the instance (accelerate's offload hooks, another wrapper)
     and subclasses of `nn.Linear` (quantized or adapter layers) are left alone. Does nothing when
-    `enabled()` is False. The layers themselves are patched, so another thread running the same model inside
-    the block gets the kernel too (float rounding differs, nothing else).
+    `enabled()` is False. The layers are routed for as long as some block (of any thread) holds them, but only
+    calls made inside a block, in its own context, reach the kernel: another thread running the same model
+    meanwhile runs `nn.Linear.forward`, bitwise stock.
     """
     if not enabled():
         yield False
         return
-    patched = []
     kernel_linear, most_rows = _extension().linear, max_rows()
     compact_ids = {id(model) for model in compact if model is not None} if _COMPACT.get() else set()
+    owners = {id(model) for model in (*models, *compact) if model is not None}
+    held = []
     try:
-        for model in (*models, *compact):
-            if model is None:
-                continue
-            for module in model.modules():
-                if type(module) is not nn.Linear or "forward" in module.__dict__:
+        with _ROUTED_LOCK:
+            for model in (*models, *compact):
+                if model is None:
                     continue
-                weight = module.weight
-                if weight.device.type != "cpu" or weight.dtype != torch.float32:
-                    continue
-                module.forward = _routed_forward(module, kernel_linear, most_rows, id(model) in compact_ids)
-                patched.append(module)
-        token, compact_token = _ACTIVE.set(True), _COMPACT_MODELS.set(frozenset(compact_ids))
+                for module in model.modules():
+                    if type(module) is not nn.Linear:
+                        continue
+                    routed = _ROUTED.get(id(module))
+                    if routed is not None:  # already routed by a block of this or another thread
+                        routed[1] += 1
+                        held.append(module)
+                        continue
+                    weight = module.weight
+                    if "forward" in module.__dict__ or weight.device.type != "cpu" or weight.dtype != torch.float32:
+                        continue
+                    module.forward = _routed_forward(module, kernel_linear, most_rows, id(model))
+                    _ROUTED[id(module)] = [module.forward, 1]
+                    held.append(module)
+        tokens = (_ACTIVE.set(True), _ACTIVE_MODELS.set(_ACTIVE_MODELS.get() | frozenset(owners)),
+                  _COMPACT_MODELS.set(frozenset(compact_ids)))
         try:
             yield True
         finally:
-            _COMPACT_MODELS.reset(compact_token)
-            _ACTIVE.reset(token)
+            for variable, token in zip((_ACTIVE, _ACTIVE_MODELS, _COMPACT_MODELS)[::-1], tokens[::-1]):
+                variable.reset(token)
     finally:
-        for module in patched:
-            module.__dict__.pop("forward", None)
+        with _ROUTED_LOCK:
+            for module in held:
+                routed = _ROUTED[id(module)]
+                routed[1] -= 1
+                if routed[1] == 0:
+                    del _ROUTED[id(module)]
+                    if module.__dict__.get("forward") is routed[0]:
+                        del module.__dict__["forward"]
