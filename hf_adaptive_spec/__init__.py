@@ -20,6 +20,7 @@ from .datastore import TokenDatastore
 from .drafters.quantize import quantize_drafter
 from .integration import install, is_installed, uninstall
 from .loop import SpecGenerateOutput, SpecStats
+from .prepare import prepare
 from .vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .strategies import (
     STRATEGIES,
@@ -64,6 +65,7 @@ __all__ = [
     "push_drafter_to_hub",
     "quantize_drafter",
     "is_installed",
+    "prepare",
     "register_strategy",
     "uninstall",
 ]

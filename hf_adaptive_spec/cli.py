@@ -1,4 +1,4 @@
-"""The `hf-adaptive-spec` command: fetch, demo, generate, bench, train-drafter, build-datastore."""
+"""The `hf-adaptive-spec` command: fetch, demo, generate, prepare, bench, train-drafter, build-datastore."""
 
 from __future__ import annotations
 
@@ -121,14 +121,17 @@ def cmd_fetch(args) -> int:
 
 
 def _warm_up(target, drafter, inputs, strategy, spec_config) -> float:
-    """Untimed short runs of plain and speculative generate: the one-off costs (kernels and allocator, the CPU
-    kernel's first compile, and for cost-aware strategies the verifier's cost curve, measured once per machine
-    and then cached) stay out of the timed comparison. Returns the seconds spent getting that curve (milliseconds
-    when it was cached already)."""
+    """Before a timed comparison: `prepare` (the CPU kernel compiled, the verifier's cost curve measured, both
+    once per machine and then cached), then untimed short runs of plain and speculative generate (allocator,
+    first-use costs). Returns the seconds `prepare` spent measuring (milliseconds when the curve was cached)."""
+    from .prepare import prepare
+
+    prepared = prepare(target, drafter, strategy, batch_sizes=(inputs["input_ids"].shape[0],),
+                       spec_config=spec_config)
     target.generate(**inputs, max_new_tokens=4, do_sample=False)
-    out = target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=drafter,
-                          spec_strategy=strategy, spec_config=spec_config, return_dict_in_generate=True)
-    return out.spec_stats.time_profile
+    target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=drafter, spec_strategy=strategy,
+                    spec_config=spec_config)
+    return sum(profile["seconds"] for profile in prepared["profiles"])
 
 
 def _generate_and_compare(target, drafter, inputs, tokenizer, strategy, spec_config, max_new_tokens, compare):
@@ -180,6 +183,20 @@ def cmd_generate(args) -> int:
                                  args.max_new_tokens, compare=args.compare)
 
 
+def cmd_prepare(args) -> int:
+    import torch
+
+    from .prepare import prepare
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    target, _ = load_model(args.target, args.dtype)
+    drafter = load_drafter(args.drafter, target, args.drafter_int8, args.dtype)
+    result = prepare(target, drafter, args.strategy, batch_sizes=args.batch_sizes,
+                     spec_config=_spec_config(args.spec_config))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .strategies import STRATEGIES
 
@@ -214,6 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true")
     gen.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
     gen.set_defaults(func=cmd_generate)
+
+    prep = sub.add_parser("prepare", help="compile the CPU kernel and measure the cost curve now, not in a first call")
+    prep.add_argument("--target", required=True)
+    prep.add_argument("--drafter", required=True)
+    prep.add_argument("--strategy", default=None, choices=sorted(STRATEGIES),
+                      help="default: laspec for a LaSpec drafter, else sage")
+    prep.add_argument("--spec-config", default=None)
+    prep.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    prep.add_argument("--dtype", default="float32")
+    prep.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=True)
+    prep.add_argument("--threads", type=int, default=None)
+    prep.set_defaults(func=cmd_prepare)
 
     bench = sub.add_parser("bench", help="benchmark: plain vs stock assisted vs each strategy, on real data")
     from . import bench as bench_module

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import contextvars
 import statistics
 import time
 import weakref
@@ -38,11 +39,12 @@ from pathlib import Path
 import torch
 
 from .drafters.host_tree import float32
-from .ops import cpu_linear
+from .ops import cpu_linear, scoped
 from .strategies.base import descending_rank
 
 __all__ = ["AcceptanceCalibrator", "Calibration", "CostModel", "CostProfile", "LookupCalibrator", "choose_prefix",
-           "measure_verifier_cost", "refine_profile", "shared_calibration", "verifier_cost_profile"]
+           "measure_cost_curve", "measure_verifier_cost", "prior_profile", "refine_profile", "shared_calibration",
+           "verifier_cost_profile"]
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 _MEMORY: dict[str, "CostProfile"] = {}
@@ -56,17 +58,22 @@ class CostProfile:
         sizes: the token counts measured.
         seconds: median seconds of a forward at each size.
         key: what the profile is valid for (model, dtype, device, batch size, threads).
+        source: "measured" (timed sweeps, `measure_verifier_cost`), "prior" (`prior_profile`: a typical shape,
+            nothing measured yet) or "rounds" (corrected from the verification forwards of real rounds).
     """
 
     sizes: list
     seconds: list
     key: str = ""
+    source: str = "measured"
 
     def __post_init__(self):
         if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
             raise ValueError(f"CostProfile.sizes must be ascending distinct ints >= 1, got {self.sizes}.")
         if len(self.sizes) != len(self.seconds) or any(s <= 0 for s in self.seconds):
             raise ValueError("CostProfile needs one positive time per size.")
+        if self.source not in ("measured", "prior", "rounds"):
+            raise ValueError(f"CostProfile.source must be 'measured', 'prior' or 'rounds', got {self.source!r}.")
 
     def time(self, n: int) -> float:
         """T(n), linear between measured sizes, extended by the last slope beyond the largest."""
@@ -167,31 +174,64 @@ def _store(profile: CostProfile, use_disk: bool = True) -> None:
         pass  # a read-only cache folder only costs a re-measure next time
 
 
-def verifier_cost_profile(runner, sizes=DEFAULT_SIZES, repeats: int = 3, use_disk: bool = True) -> CostProfile:
-    """The target's cost profile: from memory, else from disk, else measured now (and stored).
+# the shape of T(n) / T(1) assumed before anything is measured: on a CPU each extra verified token costs a
+# few percent of a step (small-batch kernel; docs/benchmarks.md), on a GPU at low load almost nothing
+_PRIOR_SLOPE = {"cpu": 0.05}
+_PRIOR_SLOPE_ACCELERATOR = 0.005
+_MEASURE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_adaptive_spec_measure_cost", default=False)
 
-    Set `HF_ADAPTIVE_SPEC_COST_REFRESH=1` to measure again. Rounds correct a stored profile that disagrees
-    with what they measure (`refine_profile`).
+
+def prior_profile(device, key: str = "") -> CostProfile:
+    """A typical cost curve for `device`'s type, in units of one forward's time (its level is learned from the
+    first round: `CostModel` rescales a prior profile to the first measured forward)."""
+    slope = _PRIOR_SLOPE.get(torch.device(device).type, _PRIOR_SLOPE_ACCELERATOR)
+    return CostProfile(sizes=list(DEFAULT_SIZES), seconds=[1.0 + slope * (n - 1) for n in DEFAULT_SIZES], key=key,
+                       source="prior")
+
+
+def measure_cost_curve(on: bool = True):
+    """Inside a `with` block, a cost-aware call with no stored curve measures the full curve (timed sweeps, tens
+    of seconds for a 1.5B target on 2 CPU cores) instead of starting from `prior_profile`. `hf_adaptive_spec.
+    prepare` uses it; a user's call never measures unless asked."""
+    return scoped(_MEASURE, bool(on))
+
+
+def verifier_cost_profile(runner, sizes=DEFAULT_SIZES, repeats: int = 3, use_disk: bool = True,
+                          measure: bool | None = None) -> CostProfile:
+    """The target's cost profile, from memory, else from disk; when there is none, measured now (and stored) if
+    `measure`, else `prior_profile`, which the rounds then correct (`refine_profile`).
+
+    `measure` defaults to True inside `measure_cost_curve` (`hf_adaptive_spec.prepare`), where only a measured
+    profile is taken from memory or disk, and on an accelerator, where the sweeps take a fraction of a second.
+    Set `HF_ADAPTIVE_SPEC_COST_REFRESH=1` to measure again.
     """
     key = _profile_key(runner.model, runner.slot_valid.shape[0], runner.lean)
-    refresh = os.environ.get("HF_ADAPTIVE_SPEC_COST_REFRESH") == "1"
-    if key in _MEMORY and not refresh:
-        return _MEMORY[key]
-    path = _profile_path(key)
-    profile = None
-    if use_disk and path.exists() and not refresh:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key:
-                profile = CostProfile(**data)
-        except (OSError, ValueError, TypeError):
-            profile = None
-    if profile is None:
+    device = runner.slot_valid.device
+    asked = _MEASURE.get() or os.environ.get("HF_ADAPTIVE_SPEC_COST_REFRESH") == "1"
+    if measure is None:
+        measure = asked or device.type != "cpu"
+    usable = ("measured",) if asked else ("measured", "rounds", "prior")
+    if os.environ.get("HF_ADAPTIVE_SPEC_COST_REFRESH") != "1":
+        profile = _MEMORY.get(key)
+        if profile is not None and profile.source in usable and not (measure and profile.source == "prior"):
+            return profile
+        path = _profile_path(key)
+        if use_disk and path.exists():
+            try:
+                data = json.loads(path.read_text())
+                profile = CostProfile(**data) if data.get("key") == key else None
+            except (OSError, ValueError, TypeError):
+                profile = None
+            if profile is not None and profile.source in usable:
+                _MEMORY[key] = profile
+                return profile
+    if measure:
         profile = measure_verifier_cost(runner, sizes, repeats)
         profile.key = key
         _store(profile, use_disk)
-    else:
-        _MEMORY[key] = profile
+        return profile
+    profile = prior_profile(device, key)  # kept in memory only, until rounds have measured it
+    _MEMORY[key] = profile
     return profile
 
 
@@ -214,6 +254,7 @@ def refine_profile(profile: CostProfile, observed: dict, use_disk: bool = True) 
     count = sum(len(times) for times in observed.values())
     if count < _MIN_OBSERVED:
         return profile
+    prior = profile.source == "prior"  # a guessed shape: replaced by what was measured, however close
     ratios = [seconds / profile.time(n) for n, times in observed.items() for seconds in times]
     ratio = statistics.median(ratios)
     medians = {n: statistics.median(times) for n, times in observed.items() if len(times) >= _MIN_PER_SIZE}
@@ -221,12 +262,12 @@ def refine_profile(profile: CostProfile, observed: dict, use_disk: bool = True) 
     def off(measured, expected):
         return abs(measured / expected - 1.0) > _TOLERANCE
 
-    if not off(ratio, 1.0) and not any(off(seconds, profile.time(n)) for n, seconds in medians.items()):
+    if not prior and not off(ratio, 1.0) and not any(off(seconds, profile.time(n)) for n, seconds in medians.items()):
         return profile
     points = {n: seconds * ratio for n, seconds in zip(profile.sizes, profile.seconds)}
     points.update(medians)
     sizes = sorted(points)
-    refined = CostProfile(sizes=sizes, seconds=[points[n] for n in sizes], key=profile.key)
+    refined = CostProfile(sizes=sizes, seconds=[points[n] for n in sizes], key=profile.key, source="rounds")
     if profile.key:
         _store(refined, use_disk)
     return refined
@@ -514,13 +555,16 @@ class CostModel:
         self.calibrator.observe(tree, target_choice, verified)
         self.lookup_calibrator.observe(tree, target_choice, verified)
         rate = round_seconds / tokens.clamp_min(1)
+        # a prior profile's level is arbitrary: the first measured round sets the level outright
+        first = self.profile.source == "prior" and not self.observed
+        smoothing = 1.0 if first else self.smoothing
         self.seconds_per_token = torch.where(
-            tokens > 0, self.seconds_per_token + self.smoothing * (rate - self.seconds_per_token),
+            tokens > 0, self.seconds_per_token + smoothing * (rate - self.seconds_per_token),
             self.seconds_per_token)
         if verify_seconds is not None and self.live_scale:
             size = min(tree.tokens.shape[1], len(self._seconds) - 1)
             ratio = verify_seconds / self._seconds[size]
-            self.scale += self.smoothing * (ratio - self.scale)
+            self.scale += smoothing * (ratio - self.scale)
             self.observed.setdefault(tree.tokens.shape[1], []).append(verify_seconds)
 
     def refine_profile(self) -> CostProfile:

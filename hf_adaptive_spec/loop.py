@@ -48,8 +48,11 @@ class SpecStats:
         time_*: seconds spent in the prefill (target and drafter), drafting (drafter forwards), tree and mask
             building, verification (target forwards), acceptance (processors, path choice, stopping) and KV
             compaction. On a GPU these are host times between phases, without extra synchronisation.
-        time_profile: seconds spent measuring the verifier's cost curve (first use of a cost-aware strategy
-            with a given model, dtype, device and batch size; later calls read it from memory or disk).
+        time_profile: seconds spent getting the verifier's cost curve: reading it from memory or disk, or on a
+            CPU starting from a prior curve the rounds correct (no forward is timed inside a call unless asked:
+            `hf_adaptive_spec.prepare`, `cost.measure_cost_curve`; on an accelerator the sweeps are measured).
+        time_setup: seconds of one-off setup inside this call: `time_profile` plus loading the CPU kernel (a
+            kernel not compiled yet is built in a background process, never inside the call).
         pruned_tokens: draft nodes the cost model trimmed before verification (cost-aware strategies).
         paused_rounds: rounds that verified the root alone because drafting was not paying on this text (a
             LaSpec drafter with the cost rule on a CPU; `CostModel.pause_drafting`); counted in `rounds`.
@@ -72,6 +75,7 @@ class SpecStats:
     time_accept: float = 0.0
     time_compact: float = 0.0
     time_profile: float = 0.0
+    time_setup: float = 0.0
     pruned_tokens: int = 0
     paused_rounds: int = 0
     time_visual: float = 0.0
@@ -244,7 +248,9 @@ def _speculative_decode(
         # verification and drafting run a few rows per linear layer: the small-batch kernel; a LaSpec drafter
         # reads bf16 copies of its weights (drafts only: the target still decides every token)
         compact = (assistant_model,) if block_drafter else ()
+        setup_start = time.perf_counter()
         after_prefill.enter_context(cpu_linear.fast_linears(model, assistant_model, compact=compact))
+        stats.time_setup += time.perf_counter() - setup_start
         for verifier in (model, None if block_drafter else assistant_model):  # tree forwards: GQA without repeat_kv
             after_prefill.enter_context(tree_attention(verifier))
 
@@ -277,6 +283,7 @@ def _speculative_decode(
         calibration = shared_calibration(assistant_model, f"{strategy_name}|{profile.key}", device)
         cost = CostModel(profile, max_tokens=256, device=device, calibration=calibration)
         stats.time_profile += clock.lap()
+        stats.time_setup += stats.time_profile
     trace = _RoundTrace()
 
     def process_draft(logits, paths, depths, valid):

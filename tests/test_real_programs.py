@@ -137,7 +137,7 @@ def test_plain_generate_beside_speculation_is_bitwise_stock(arch):
 def test_routed_layers_run_stock_outside_their_block():
     """The mechanism behind the test above, deterministically: a layer routed by one context's block runs
     `nn.Linear.forward` in any other context."""
-    if not cpu_linear.enabled():
+    if not cpu_linear.enabled(wait=True):
         pytest.skip("the CPU kernel is not available here")
     layer = torch.nn.Linear(64, 64)
     x = torch.randn(5, 64)

@@ -36,6 +36,8 @@ import functools
 import hashlib
 import logging
 import os
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -107,17 +109,29 @@ def _cpu_supported() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _build(isa: str):
-    """The extension compiled for `isa` (once per machine, source and torch version)."""
-    from torch.utils.cpp_extension import load
-
+def _location(isa: str) -> tuple[str, Path, list]:
+    """(extension name, build folder, compiler flags) of the kernel for `isa` (per source and torch version)."""
     flags = _FLAGS + _ISA_FLAGS[isa]
-    source = _SOURCE.read_text()
-    digest = hashlib.sha1((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    digest = hashlib.sha1((_SOURCE.read_text() + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     root = os.environ.get("HF_ADAPTIVE_SPEC_KERNEL_CACHE") or Path.home() / ".cache" / "hf_adaptive_spec" / "kernels"
     name = f"hf_adaptive_spec_small_linear_{isa}_{digest}"
-    build = Path(root).expanduser() / name
+    return name, Path(root).expanduser() / name, flags
+
+
+def is_built() -> bool:
+    """Whether this CPU's kernel is compiled already (loading it then takes a moment, not a build)."""
+    if _cpu_supported() is not None:
+        return False
+    name, build, _ = _location(_isa())
+    return (build / f"{name}.so").exists()
+
+
+@functools.lru_cache(maxsize=None)
+def _build(isa: str):
+    """The extension compiled for `isa` (once per machine, source and torch version), loaded."""
+    from torch.utils.cpp_extension import load
+
+    name, build, flags = _location(isa)
     build.mkdir(parents=True, exist_ok=True)
     if not (build / f"{name}.so").exists():
         logger.warning("hf_adaptive_spec: compiling the CPU small-batch linear kernel (%s) for the speculative "
@@ -126,6 +140,27 @@ def _build(isa: str):
         warnings.simplefilter("ignore")  # cpp_extension's notes about compiler versions
         return load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build), verbose=False)
+
+
+_BACKGROUND: dict[str, subprocess.Popen] = {}
+
+
+def build_in_background() -> subprocess.Popen | None:
+    """Start compiling this CPU's kernel in a separate process at the lowest priority (once per process), so no
+    call waits for it: rounds use torch's linear until it is built. None when built already or unsupported."""
+    if _cpu_supported() is not None or is_built():
+        return None
+    isa = _isa()
+    process = _BACKGROUND.get(isa)
+    if process is None or process.poll() not in (None, 0):
+        code = f"from hf_adaptive_spec.ops import cpu_linear; cpu_linear._build({isa!r})"
+        process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
+        _BACKGROUND[isa] = process
+        logger.warning("hf_adaptive_spec: compiling the CPU small-batch linear kernel in the background (once per "
+                       "machine); speculative rounds use torch's linear until it is ready. "
+                       "`hf_adaptive_spec.prepare()` builds it up front.")
+    return process
 
 
 def max_rows() -> int:
@@ -155,10 +190,17 @@ def available() -> bool:
     return _cpu_supported() is None and _load_error() is None
 
 
-def enabled() -> bool:
-    """Whether `fast_linears` will route layers to the kernel under the current setting."""
+def enabled(wait: bool = False) -> bool:
+    """Whether `fast_linears` will route layers to the kernel under the current setting.
+
+    In "auto" mode a kernel not compiled yet is built in the background (`build_in_background`) and this says
+    False until it is, unless `wait`; with `HF_ADAPTIVE_SPEC_CPU_KERNELS=1` (the kernel is required) it waits.
+    """
     mode = _mode()
     if mode == "0":
+        return False
+    if mode == "auto" and not wait and _cpu_supported() is None and not is_built():
+        build_in_background()
         return False
     if available():
         return True
