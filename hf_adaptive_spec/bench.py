@@ -161,6 +161,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     runs.add_argument("--out", default="bench_results", help="output folder (default bench_results/)")
     runs.add_argument("--no-plots", action="store_true")
     runs.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    runs.add_argument("--cold", action="store_true",
+                      help="time the first calls of a fresh process instead (one per strategy; no cost curve, no "
+                           "compiled kernel): first speculative call vs plain, third vs warmed (hf_adaptive_spec.cold)")
+    runs.add_argument("--cold-keep-kernel", action="store_true",
+                      help="with --cold: keep the machine's compiled CPU kernel (only the cost curve is fresh)")
     return parser
 
 
@@ -458,6 +463,11 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
         prompts.extend(prompt_loader(dataset, args.limit))
     if not prompts:
         raise ValueError("no prompts to run.")
+    if getattr(args, "cold", False):
+        from .cold import run_cold
+
+        spec = [method for method in build_methods(args, device) if method.kind == "spec"]
+        return run_cold(args, [method.name for method in spec], {m.name: m.spec_config for m in spec}, prompts[0])
 
     load_start = time.perf_counter()
     target, tokenizer = model_loader(args.target, args, "target")

@@ -111,6 +111,9 @@ def _profile_key(model, batch_size: int, lean: bool = False) -> str:
 
 
 def _cost_dir() -> Path:
+    """`$HF_ADAPTIVE_SPEC_COST_CACHE` if set, else `_verifier_cost/` in the model cache."""
+    if os.environ.get("HF_ADAPTIVE_SPEC_COST_CACHE"):
+        return Path(os.environ["HF_ADAPTIVE_SPEC_COST_CACHE"]).expanduser()
     from .models import default_cache_root
 
     return default_cache_root() / "_verifier_cost"

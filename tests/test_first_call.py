@@ -105,3 +105,31 @@ def test_a_prior_curve_takes_its_level_from_the_first_round():
     assert float(model.seconds_per_token) == pytest.approx(0.01)
     assert model.scale * prior.time(3) == pytest.approx(0.02)
     assert cost.refine_profile(prior, {3: [0.02] * 8}).source == "rounds"  # a prior is replaced, however close
+
+
+def test_cold_worker_times_first_calls_and_checks_outputs(monkeypatch, tmp_path):
+    """The fresh-process worker of `bench --cold` (here in-process, on tiny models): every call timed, outputs
+    checked against plain, prepare run before the warmed call."""
+    import argparse
+    from types import SimpleNamespace
+
+    from hf_adaptive_spec import bench, cold
+
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost, "_MEMORY", {})
+    target = build_model("llama")
+    drafter = build_drafter("llama", target, "small")
+    inputs = make_inputs("llama", batch_size=1)
+    monkeypatch.setattr(bench, "load_model", lambda name, args, role: (target if role == "target" else drafter,
+                                                                        SimpleNamespace(pad_token_id=0)))
+    monkeypatch.setattr(bench, "encode_prompt", lambda tokenizer, messages, device: inputs)
+    monkeypatch.setattr(cpu_linear, "enabled", lambda wait=False: False)
+    args = argparse.Namespace(target="t", drafter="d", drafter_int8=False, threads=None, max_new_tokens=12,
+                              device="cpu", dtype="float32")
+    record = cold._worker({"args": vars(args), "strategy": "sage", "spec_config": {"verify_cost": True},
+                           "prompt": {"id": "p0", "messages": []}})
+    assert [call["call"] for call in record["calls"]] == ["plain 1", "sage 1", "sage 2", "sage 3", "plain 2",
+                                                         "sage warmed"]
+    assert record["same_as_plain"] and record["first_vs_plain"] > 0 and record["third_vs_warmed"] > 0
+    table = cold.cold_table({"records": [record]})
+    assert table.count("\n") == 3 and "| sage |" in table
