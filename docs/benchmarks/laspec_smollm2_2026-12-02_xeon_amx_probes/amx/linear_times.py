@@ -1,4 +1,4 @@
-"""Session 18 probe (not a library feature): SmolLM2-135M's linear layers (all 211, LM head included) for M rows,
+"""Probe (2026-12-02, Intel Xeon with AMX, 2 cores; not a library feature): SmolLM2-135M's linear layers (all 211, LM head included) for M rows,
 torch's F.linear vs the library's AVX-512 small-batch kernel vs an AMX kernel that emulates fp32 with bf16
 pieces (x split into 3 bf16 pieces stacked as rows, the weight into 2, products summed in fp32 with the
 hi*hi term kept apart: fp32-class error, measured against float64 below). Needs a CPU with AMX-BF16 and gcc

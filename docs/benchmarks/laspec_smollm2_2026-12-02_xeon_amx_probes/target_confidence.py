@@ -1,10 +1,10 @@
-"""Session 18: how sure is the target of its own greedy tokens on the bench's answers? (run from the repo root)"""
+"""Probe (2026-12-02, Intel Xeon with AMX): how sure is the target of its own greedy tokens on the bench's answers? (run from the repo root)"""
 import torch, json
 from hf_adaptive_spec import models
 from hf_adaptive_spec.data import load_prompts, interleave_categories
 torch.set_num_threads(2)
 target, tok = models.load("smollm2-135m-instruct")
-r = json.load(open("docs/benchmarks/laspec_smollm2_s18_xeon_limit24/results.json"))
+r = json.load(open("docs/benchmarks/laspec_smollm2_2026-12-02_xeon_amx_limit24/results.json"))
 recs = [x for x in r["records"] if x["method"]=="plain"]
 print(len(recs), recs[0].keys())
 from hf_adaptive_spec.bench import encode_prompt

@@ -1,12 +1,12 @@
-"""Session 18: the shipped drafter's depth-1 guess against the target's confidence in the token it guesses
-(teacher-forced on the bench's plain answers; needs /tmp/s18_kd/eval.pt from soft_labels_data.py)."""
+"""Probe (2026-12-02, Intel Xeon with AMX): the shipped drafter's depth-1 guess against the target's confidence in the token it guesses
+(teacher-forced on the bench's plain answers; needs /tmp/probe_soft_labels/eval.pt from soft_labels_data.py)."""
 import torch, random
 import hf_adaptive_spec
 from hf_adaptive_spec import models, load_drafter
 from hf_adaptive_spec.training.trainer import make_batch, _labelled_logits
 torch.set_num_threads(2)
 target, tok = models.load("smollm2-135m-instruct")
-ev = torch.load("/tmp/s18_kd/eval.pt", weights_only=False)
+ev = torch.load("/tmp/probe_soft_labels/eval.pt", weights_only=False)
 model = load_drafter("laspec-smollm2-135m-instruct", target)
 B = model.config.block_size
 for name, exs in (("mtbench", [e for e in ev if e.source.startswith("mtbench")]), ("humaneval", [e for e in ev if not e.source.startswith("mtbench")])):

@@ -1,4 +1,4 @@
-// Session 18 probe, not a library feature: y = x @ w.T in fp32-class precision on AMX-BF16 (see linear_times.py).
+// Probe (2026-12-02, Intel Xeon with AMX, 2 cores), not a library feature: y = x @ w.T in fp32-class precision on AMX-BF16 (see linear_times.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -1,4 +1,4 @@
-"""Soft-label probe (session 18), step 1: teacher-forced examples with the target's top-16 log-probabilities at
+"""Soft-label probe (2026-12-02, Intel Xeon with AMX), step 1: teacher-forced examples with the target's top-16 log-probabilities at
 every position: 800 ChatGPT answers (`sharegpt_answers[-2800:-2000]`) to train, the bench's 48 plain greedy
 answers to evaluate. Run from the repo root; step 2 is soft_labels_train.py."""
 import json, os, sys, time, torch
@@ -11,7 +11,7 @@ from hf_adaptive_spec.bench import encode_prompt
 from hf_adaptive_spec.data import load_prompts
 torch.set_num_threads(2)
 TOPK = 16
-os.makedirs("/tmp/s18_kd", exist_ok=True)
+os.makedirs("/tmp/probe_soft_labels", exist_ok=True)
 target, tok = models.load("smollm2-135m-instruct")
 drafter = load_drafter("laspec-smollm2-135m-instruct", target)
 layer_ids = drafter.config.target_layer_ids
@@ -57,9 +57,9 @@ for p in prompts:
     items.append((ids, D.prompt_source(p), pl))
 train = soft_examples(items)
 print("train", len(train), sum(len(e) for e in train), "tokens", time.time() - t)
-torch.save(train, "/tmp/s18_kd/train.pt")
+torch.save(train, "/tmp/probe_soft_labels/train.pt")
 # eval: the bench's plain greedy answers to the 24 + 24 held-out prompts
-r = json.load(open("docs/benchmarks/laspec_smollm2_s18_xeon_limit24/results.json"))
+r = json.load(open("docs/benchmarks/laspec_smollm2_2026-12-02_xeon_amx_limit24/results.json"))
 prompts = {p.id: p for ds in ("mtbench", "humaneval") for p in load_prompts(ds)}
 items = []
 for rec in r["records"]:
@@ -67,5 +67,5 @@ for rec in r["records"]:
     enc = encode_prompt(tok, prompts[rec["prompt_id"]].messages, "cpu")["input_ids"][0]
     items.append((torch.cat([enc, torch.tensor(rec["tokens"])]), rec["prompt_id"], len(enc)))
 ev = soft_examples(items)
-torch.save(ev, "/tmp/s18_kd/eval.pt")
+torch.save(ev, "/tmp/probe_soft_labels/eval.pt")
 print("eval", len(ev), time.time() - t)

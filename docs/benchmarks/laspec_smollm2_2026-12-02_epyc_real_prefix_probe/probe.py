@@ -15,7 +15,7 @@ from pathlib import Path
 
 torch.set_num_threads(2)
 SECONDS = float(sys.argv[1]) if len(sys.argv) > 1 else 600
-OUT = Path("/tmp/s17")
+OUT = Path("/tmp/probe_real_prefix")
 target, tok = C._load_target("smollm2-135m-instruct")
 target.eval()
 ckpt = Path(hf_adaptive_spec.__file__).parent / "checkpoints" / "laspec-smollm2-135m-instruct"

@@ -1,4 +1,4 @@
-"""Soft-label probe (session 18), step 2: fine-tune the shipped drafter 900 steps (same data, order and schedule)
+"""Soft-label probe (2026-12-02, Intel Xeon with AMX), step 2: fine-tune the shipped drafter 900 steps (same data, order and schedule)
 with per-position loss (1 - lam) * CE(target argmax) + lam * CE(target top-16, renormalised), acceptance-aware
 weights as in the trainer; teacher-forced chain tau on the bench's answers. `python soft_labels_train.py 900 0,0.5,1`."""
 import math, random, sys, time, json, torch
@@ -8,8 +8,8 @@ from hf_adaptive_spec.training.trainer import make_batch, _labelled_logits, eval
 from hf_adaptive_spec.drafters.laspec import acceptance_weighted_mean
 torch.set_num_threads(2)
 target, tok = models.load("smollm2-135m-instruct")
-train = torch.load("/tmp/s18_kd/train.pt", weights_only=False)
-ev = torch.load("/tmp/s18_kd/eval.pt", weights_only=False)
+train = torch.load("/tmp/probe_soft_labels/train.pt", weights_only=False)
+ev = torch.load("/tmp/probe_soft_labels/eval.pt", weights_only=False)
 ev_mt = [e for e in ev if e.source.startswith("mtbench")]
 ev_he = [e for e in ev if not e.source.startswith("mtbench")]
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 900
@@ -73,5 +73,5 @@ for lam in LAMBDAS:
     model, secs = run(lam)
     results[f"lam{lam}"] = {**evaluate(model), "seconds": round(secs)}
     print(f"lam {lam}", results[f"lam{lam}"], flush=True)
-    model.save_pretrained(f"/tmp/s18_kd/arm_lam{lam}")
-json.dump(results, open(f"/tmp/s18_kd/results_{STEPS}.json", "w"), indent=1)
+    model.save_pretrained(f"/tmp/probe_soft_labels/arm_lam{lam}")
+json.dump(results, open(f"/tmp/probe_soft_labels/results_{STEPS}.json", "w"), indent=1)
