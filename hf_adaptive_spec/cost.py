@@ -42,7 +42,8 @@ from .drafters.host_tree import float32
 from .ops import cpu_linear, scoped
 from .strategies.base import descending_rank
 
-__all__ = ["AcceptanceCalibrator", "Calibration", "CostModel", "CostProfile", "LookupCalibrator", "choose_prefix",
+__all__ = ["AcceptanceCalibrator", "Calibration", "CostModel", "CostProfile", "DraftPricing", "LookupCalibrator",
+           "choose_prefix",
            "measure_cost_curve", "measure_verifier_cost", "prior_profile", "refine_profile", "shared_calibration",
            "verifier_cost_profile"]
 
@@ -576,3 +577,68 @@ class CostModel:
         if not self.live_scale:
             return self.profile
         return refine_profile(self.profile, self.observed)
+
+
+class DraftPricing:
+    """Prices drafting itself, level by level, for an independent drafter (greedy, with a `CostModel`).
+
+    Before the drafter runs the children a strategy chose to expand (one more drafter forward), it checks that
+    what they are expected to add pays for it: the expected accepted tokens of their own children, approximated
+    by each expanded node's survival probability pi times its own calibrated acceptance (a drafter sure of a
+    node tends to be sure of the next), times the live seconds per token t_token, against the drafter forward
+    at that width (measured online, per width) plus the verification time those children add on the target's
+    curve. The strategy still shapes each level (SAGE: depth and width from its entropy); this decides how far
+    drafting goes. Trimming after drafting (`CostModel.prune`) still applies to what was drafted.
+
+    Args:
+        cost (`CostModel`): the calibration, the target's curve and t_token.
+        draft_seconds (callable, *optional*): `width -> seconds` of one drafter forward, fixed (tests); by
+            default measured from the drafter's own forwards (`observe_draft`), free until the first one.
+    """
+
+    SMOOTHING = 0.3
+
+    def __init__(self, cost: "CostModel", draft_seconds=None):
+        self.cost = cost
+        self._fixed = draft_seconds
+        self._measured: dict[int, float] = {}
+        self.stopped_levels = 0  # levels not drafted because they would not pay (for statistics)
+
+    def draft_seconds(self, width: int) -> float:
+        if self._fixed is not None:
+            return float(self._fixed(width))
+        if width in self._measured:
+            return self._measured[width]
+        if not self._measured:
+            return 0.0
+        nearest = min(self._measured, key=lambda measured: abs(measured - width))
+        return self._measured[nearest]
+
+    def observe_draft(self, width: int, seconds: float) -> None:
+        """One drafter forward over `width` expanded children took `seconds`."""
+        previous = self._measured.get(width)
+        self._measured[width] = seconds if previous is None else previous + self.SMOOTHING * (seconds - previous)
+
+    def survival(self, parent_survival: torch.Tensor, level) -> torch.Tensor:
+        """`(B, W)` pi of the level's children: their parent's pi times their calibrated acceptance."""
+        accept = self.cost.calibrator(level.probs)
+        return parent_survival.gather(1, level.parent) * accept * level.valid
+
+    def pays(self, survival: torch.Tensor, level, tree_width: int) -> bool:
+        """Whether running the level's `grow` children through the drafter pays (see the class docstring).
+
+        Args:
+            survival (`torch.Tensor` of shape `(B, W)`): pi of the level's children (`survival`).
+            level (`drafters.levels.Level`): the level, with the children to expand.
+            tree_width (`int`): nodes the tree holds so far, this level included (the verification width).
+        """
+        grow_survival = survival.gather(1, level.grow) * level.grow_valid
+        grow_accept = self.cost.calibrator(level.probs.gather(1, level.grow))
+        gain = float((grow_survival * grow_accept).sum())
+        width = level.num_grow
+        table = self.cost._seconds
+        verify = self.cost.scale * (table[min(tree_width + width, len(table) - 1)]
+                                    - table[min(tree_width, len(table) - 1)])
+        paid = gain * float(self.cost.seconds_per_token) >= self.draft_seconds(width) + max(verify, 0.0)
+        self.stopped_levels += not paid
+        return paid

@@ -19,12 +19,13 @@ from . import ops
 from .acceptance import sample_accept
 from .attention import tree_attention
 from .compat import cache_from_kwargs, check_cache, check_model, check_pair
-from .cost import CostModel, shared_calibration, verifier_cost_profile
+from .cost import CostModel, DraftPricing, shared_calibration, verifier_cost_profile
 from .drafters.block import BlockDrafter
 from .drafters.independent import IndependentDrafter
 from .drafters.laspec import LaSpecDrafterModel
 from .final_cache import CACHE_FIELD, returned_cache
 from .ops import cpu_linear
+from .placement import execution_device, tensor_parallel
 from .processors import SequenceBuffer, StopChecker, process_logits
 from .runner import ModelRunner
 from .windows import full_layer_cache
@@ -54,6 +55,8 @@ class SpecStats:
         time_setup: seconds of one-off setup inside this call: `time_profile` plus loading the CPU kernel (a
             kernel not compiled yet is built in a background process, never inside the call).
         pruned_tokens: draft nodes the cost model trimmed before verification (cost-aware strategies).
+        unpaid_levels: draft levels an independent drafter did not expand because they would not pay for the
+            drafter forward and the verification they add (`cost.DraftPricing`; cost-aware strategies, CPU).
         paused_rounds: rounds that verified the root alone because drafting was not paying on this text (a
             LaSpec drafter with the cost rule on a CPU; `CostModel.pause_drafting`); counted in `rounds`.
         time_visual: seconds spent selecting visual tokens for a LaSpec drafter (int8 keys at the prefill, the
@@ -78,6 +81,7 @@ class SpecStats:
     time_setup: float = 0.0
     pruned_tokens: int = 0
     paused_rounds: int = 0
+    unpaid_levels: int = 0
     time_visual: float = 0.0
     time_total: float = 0.0
 
@@ -172,7 +176,8 @@ def _speculative_decode(
     start_time = time.perf_counter()
     strategy_name = generation_config.spec_strategy
     strategy_class = get_strategy_class(strategy_name)
-    config = resolve_config(strategy_name, getattr(generation_config, "spec_config", None), model.device)
+    config = resolve_config(strategy_name, getattr(generation_config, "spec_config", None),
+                            execution_device(model, input_ids.device))
     batch_size = input_ids.shape[0]
     device = input_ids.device
 
@@ -277,11 +282,15 @@ def _speculative_decode(
     del prefill_hidden
     strategy = strategy_class(config, batch_size, device)
     strategy.sampling = do_sample
-    cost = None
-    if drafter is not None and strategy.cost_aware and not do_sample:
+    cost = pricing = None
+    # (not under tensor parallelism: the cost rule's choices follow each rank's own timings, and every rank must
+    # verify the same tree)
+    if drafter is not None and strategy.cost_aware and not do_sample and not tensor_parallel(model, assistant_model):
         profile = verifier_cost_profile(target)
         calibration = shared_calibration(assistant_model, f"{strategy_name}|{profile.key}", device)
         cost = CostModel(profile, max_tokens=256, device=device, calibration=calibration)
+        if not block_drafter and cost.live_scale:  # drafting is priced too (host times are real on a CPU)
+            pricing = DraftPricing(cost)
         stats.time_profile += clock.lap()
         stats.time_setup += stats.time_profile
     trace = _RoundTrace()
@@ -303,7 +312,7 @@ def _speculative_decode(
             tree = drafter.root_tree()
             stats.paused_rounds += 1
         else:
-            context = {"context": (buffer.ids, buffer.lengths, first_real)} if block_drafter else {}
+            context = {"context": (buffer.ids, buffer.lengths, first_real)} if block_drafter else {"pricing": pricing}
             tree = drafter.draft(strategy, process_draft if len(logits_processor) else None, max_depth,
                                  sample=do_sample, **context)
         elapsed = clock.lap()
@@ -378,6 +387,8 @@ def _speculative_decode(
         streamer.end()
     if cost is not None:  # a stored cost curve that these rounds contradict is corrected for the next call
         cost.refine_profile()
+    if pricing is not None:
+        stats.unpaid_levels = pricing.stopped_levels
     trace.finish(stats)
     stats.new_tokens = int((buffer.lengths - buffer.prompt_length).sum())
     stats.time_total = time.perf_counter() - start_time

@@ -74,7 +74,8 @@ class IndependentDrafter:
         self.pending, self.pending_valid = tokens, valid
 
     @torch.no_grad()
-    def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None) -> DraftTree:
+    def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
+              pricing=None) -> DraftTree:
         """Build one round's tree.
 
         Args:
@@ -85,6 +86,8 @@ class IndependentDrafter:
             sample (`bool`): draw each node's children without replacement from the processed drafter
                 distribution q (exponential race = Gumbel-top-k) and keep q in the tree; else take the top-k.
             generator (`torch.Generator`, *optional*): randomness for sampling.
+            pricing (`cost.DraftPricing`, *optional*): greedy only: expand a level only while it pays for the
+                drafter forward and the verification it adds; the children it stops at stay in the tree.
 
         Returns:
             `DraftTree` whose root (node 0) is the last pending token.
@@ -116,6 +119,8 @@ class IndependentDrafter:
         frontier_logits = root_logits  # (B, F, V)
         tail_parents, tail_valid = chain_parent, valid
         k = min(strategy.max_children, frontier_logits.shape[-1])
+        frontier_survival = unit  # (B, F) pi of the frontier nodes, for `pricing`
+        tree_width = 1
 
         level = 0
         while True:
@@ -124,6 +129,13 @@ class IndependentDrafter:
                                   sample, generator)
             if chosen is None:
                 break
+            tree_width += chosen.tokens.shape[1]
+            if pricing is not None and not sample and chosen.num_grow:
+                survival = pricing.survival(frontier_survival, chosen)
+                if pricing.pays(survival, chosen, tree_width):
+                    frontier_survival = survival.gather(1, chosen.grow) * chosen.grow_valid
+                else:  # keep the children, expand none of them: this level is the last
+                    chosen = chosen.without_expansion()
             tail_length = tail_parents.shape[1]
             # the expanded children get the next drafter tail slots, in order
             slot = torch.full_like(chosen.tokens, -1)
@@ -140,7 +152,10 @@ class IndependentDrafter:
             block_parents = torch.where(chosen.grow_valid, frontier_slots.gather(1, grow_parent), -1)
             tail_parents = torch.cat([tail_parents, block_parents], dim=1)
             tail_valid = torch.cat([tail_valid, chosen.grow_valid], dim=1)
+            before = runner.model_time
             output = runner.forward(block_tokens, tail_parents, tail_valid)
+            if pricing is not None:
+                pricing.observe_draft(chosen.num_grow, runner.model_time - before)
             frontier_logits = process(output.logits.float(), frontier_paths, torch.full_like(block_tokens, level),
                                       chosen.grow_valid)
             frontier_slots = tail_length + torch.arange(chosen.num_grow, device=device)[None, :].expand(batch, -1)

@@ -36,6 +36,14 @@ class Level:
     grow_valid: torch.Tensor
     num_grow: int
 
+    def without_expansion(self) -> "Level":
+        """The same children, none of them expanded (the drafter stops at this level)."""
+        batch = self.tokens.shape[0]
+        empty = torch.zeros(batch, 0, dtype=torch.long, device=self.tokens.device)
+        return Level(tokens=self.tokens, parent=self.parent, valid=self.valid, probs=self.probs,
+                     cum_probs=self.cum_probs, expand=torch.zeros_like(self.expand), grow=empty,
+                     grow_valid=empty.bool(), num_grow=0)
+
     def next_frontier(self, node_index: torch.Tensor, paths: torch.Tensor, level: int):
         """`(tokens (B, E), parent (B, E), paths (B, E, level), nodes (B, E), Frontier)` of the expanded children.
 
