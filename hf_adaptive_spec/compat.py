@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .attention import text_attention
+from .placement import check_placement
 from .windows import attention_layout
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -65,6 +66,7 @@ def _text_config(model):
 def check_model(model, role: str) -> None:
     """Raise a `ValueError` naming the problem if `model` cannot verify or draft trees exactly."""
     name = type(model).__name__
+    check_placement(model, role)  # pipeline-parallel, FSDP and multi-dimensional sharding are refused
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"spec_strategy supports decoder-only LMs and VLMs; the {role} {name} is encoder-decoder.")
     if getattr(model, "_is_stateful", False):

@@ -51,9 +51,10 @@ def returned_cache(target, buffer, last_round=None):
     index = torch.cat([torch.arange(prompt_length, device=device).expand(batch, -1), order + prompt_length], dim=1)
     index = index[:, :width]
     real = (torch.arange(width, device=device)[None, :] < (lengths - 1)[:, None])[:, None, :, None]  # (B, 1, W, 1)
-    for layer in cache.layers:
+    for layer in cache.layers:  # (each layer's cache on its own device where the model is split over several)
         layer.keys, layer.values = (
-            torch.where(real, t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])), 0)
+            torch.where(real.to(t.device),
+                        t.gather(2, index.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])), 0)
             for t in (layer.keys, layer.values)
         )
     return cache

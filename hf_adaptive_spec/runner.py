@@ -145,7 +145,14 @@ class ModelRunner:
                 layer.keys, layer.values = layer.keys[:, :, : start + kept], layer.values[:, :, : start + kept]
         else:
             tensors = [layer.keys for layer in layers] + [layer.values for layer in layers]
-            compacted = ops.compact_kv_(tensors, keep_index, start)
+            compacted = [None] * len(tensors)
+            by_device = {}  # a model split over devices (accelerate's device_map) keeps each layer's cache on its own
+            for i, tensor in enumerate(tensors):
+                by_device.setdefault(tensor.device, []).append(i)
+            for device, members in by_device.items():
+                kept_tensors = ops.compact_kv_([tensors[i] for i in members], keep_index.to(device), start)
+                for i, tensor in zip(members, kept_tensors):
+                    compacted[i] = tensor
             for i, layer in enumerate(layers):
                 layer.keys, layer.values = compacted[i], compacted[len(layers) + i]
         self.slot_valid = torch.cat([self.slot_valid, keep_valid], dim=1)

@@ -439,6 +439,16 @@ class LaSpecDrafterOutput(ModelOutput):
     last_hidden_state: torch.FloatTensor | None = None
 
 
+def _readable(lm_head: nn.Module) -> bool:
+    """Whether `lm_head` is an `nn.Linear` whose weight can be read directly: a plain tensor, not on the meta
+    device, and no accelerate hook (which brings offloaded weights in and moves inputs only around a call). A
+    tensor-parallel head holds a shard (a DTensor); such heads are called as modules instead."""
+    if not isinstance(lm_head, nn.Linear) or getattr(lm_head, "_hf_hook", None) is not None:
+        return False
+    weight = lm_head.weight
+    return type(weight) in (torch.Tensor, nn.Parameter) and weight.device.type != "meta"
+
+
 class LaSpecDrafterModel(PreTrainedModel):
     r"""Block-parallel LaSpec drafter over the target's hidden states (see the module docstring).
 
@@ -638,6 +648,9 @@ class LaSpecDrafterModel(PreTrainedModel):
         if self.draft_vocab is None:
             raise ValueError("draft_vocab_logits needs a draft vocabulary (set_draft_vocabulary).")
         lm_head = self._target()[1]
+        if not _readable(lm_head):  # offloaded or sharded: the module's own forward, then the draft columns
+            logits = lm_head(hidden)
+            return logits[..., self.draft_vocab.to(logits.device)]
         weight = lm_head.weight
         key = (weight.data_ptr(), weight.device, weight.dtype, tensor_version(weight), self.draft_vocab.data_ptr())
         cached = self.__dict__.get("_draft_head")
@@ -665,7 +678,7 @@ class LaSpecDrafterModel(PreTrainedModel):
 
     def _lm_head(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Target LM head with its weights held fixed (gradients reach `hidden` only)."""
-        if isinstance(lm_head, nn.Linear):
+        if _readable(lm_head):
             weight = lm_head.weight.detach()
             bias = None if lm_head.bias is None else lm_head.bias.detach()
             return cpu_linear.linear(hidden.to(weight.dtype), weight, bias)
