@@ -441,7 +441,7 @@ class CostModel:
 
     On a CPU the profile is also rescaled by the verification times the loop measures (`scale`, a running
     ratio of measured to profiled seconds): the profile is measured once per machine and kept on disk, often
-    right after start-up (measured here: T(1) 57 ms in the first sweeps, 36 ms a few seconds later), and a
+    right after start-up, when a CPU can run a forward markedly slower than a few seconds later, and a
     profile slower than the machine is now overprices every extra node against the live t_token. Its shape
     is kept, its level follows the machine. On a GPU host times of a forward are launch times, so the
     profile is used as measured.

@@ -37,7 +37,7 @@ class LaSpecConfig(StrategyConfig):
             branch of the tree (`hf_adaptive_spec.lookup`); the cost rule keeps its nodes when their measured
             acceptance pays. 0 turns it off.
         lookup_tokens (`int`, defaults to 8): tokens on that branch (a repetition, once found, often runs past
-            the drafter's block; measured on SmolLM2-135M: tau 2.01 -> 2.06, +2% tokens/s over 4 tokens).
+            the drafter's block; the cost rule prices every node of it; docs/laspec.md has the measured effect).
         datastore (`bool`, *optional*): under greedy decoding, also offer the continuation that the drafter's
             datastore (`hf_adaptive_spec.datastore`: e.g. the target's own answers to training requests) shares
             for the sequence's longest matching suffix, as one more branch; the cost rule keeps its nodes when
