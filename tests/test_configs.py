@@ -143,7 +143,6 @@ def test_numpy_numbers_become_plain_numbers():
     "config, smallest_vocab, message",
     [
         (StaticTreeConfig(paths=[(0,), (5,)]), 6, r"StaticTreeConfig\.paths .*rank 5"),
-        (SageConfig(top_k=12), 12, r"SageConfig\.top_k"),
         (SageConfig(w_max=11.0), 11, r"SageConfig\.w_max"),
         (LaSpecConfig(top_k=11), 11, r"LaSpecConfig\.top_k"),
     ],
@@ -153,6 +152,10 @@ def test_candidates_beyond_the_vocabulary_are_refused(config, smallest_vocab, me
     resolved.check_vocab(smallest_vocab)
     with pytest.raises(ValueError, match=message):
         resolved.check_vocab(smallest_vocab - 1)
+
+
+def test_sage_entropy_over_more_tokens_than_the_vocabulary_is_fine():
+    SageConfig(top_k=12).resolve(CPU).check_vocab(8)  # Eq. 7's top-k entropy is taken over min(top_k, V)
 
 
 CONFIGS = [

@@ -31,7 +31,6 @@ __all__ = [
     "visual_vote",
     "use_backend",
     "triton_available",
-    "tensor_version",
 ]
 
 def tensor_version(tensor: torch.Tensor) -> int:

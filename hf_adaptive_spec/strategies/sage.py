@@ -103,8 +103,7 @@ class SageConfig(StrategyConfig):
         check_order(self, "history_low", "history_high")
 
     def check_vocab(self, vocab_size):
-        if self.top_k > vocab_size:
-            raise ValueError(f"SageConfig.top_k must be <= the drafter's vocabulary ({vocab_size}), got {self.top_k}.")
+        # (top_k beyond the vocabulary is fine: the entropy of Eq. 7 is taken over min(top_k, V) tokens)
         if self.w_max is not None and round(self.w_max) > vocab_size:
             raise ValueError(
                 f"SageConfig.w_max must round to at most the drafter's vocabulary ({vocab_size}) children per node, "
