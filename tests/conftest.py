@@ -15,6 +15,18 @@ from hf_adaptive_spec.cost import CostModel, CostProfile, DraftPricing  # noqa: 
 FLAT_COST = CostProfile(sizes=[1, 256], seconds=[0.01, 0.01])
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models: more only add overhead, and on a busy 2-core machine
+    they make such modules several times slower. Restored afterwards (`pytestmark = usefixtures(...)`)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "measured_cost: the test runs the real, timed cost curve and drafting pauses")
 

@@ -15,17 +15,13 @@ from hf_adaptive_spec import windows as windows_module
 from hf_adaptive_spec.compat import check_model
 from hf_adaptive_spec.drafters.independent import IndependentDrafter
 import tiny_families as tf_
+from test_tree_forward import PARENTS, _path
 
 MAX_NEW = 14
 STRATEGIES = ("chain", "static_tree", "sage")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _MODELS = {}
@@ -65,24 +61,6 @@ def test_laspec_equals_plain_greedy(family):
         out = target.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=drafter,
                               spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 3, "n_max": 10})
         assert torch.equal(out, expected), (family, batch_size)
-
-
-#        0
-#       / \
-#      1   2
-#     / \   \
-#    3   4   5
-#    |
-#    6
-PARENTS = [-1, 0, 0, 1, 1, 2, 3]
-
-
-def _path(node, row):
-    path = []
-    while node >= 0:
-        path.append(int(row[node]))
-        node = PARENTS[node]
-    return path[::-1]
 
 
 def _scratch_logits(model, inputs, row, extra):

@@ -16,12 +16,7 @@ from tiny_models import build_drafter, build_model, make_inputs
 MAX_NEW = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _without_gqa():

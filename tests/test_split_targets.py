@@ -27,12 +27,7 @@ STRATEGIES = ("chain", "static_tree", "sage", "laspec")
 PLACEMENTS = ("device_map", "cpu_offload", "disk_offload")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,7 @@ import tiny_models as tm  # noqa: E402
 MAX_NEW = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny ops: intra-op threads only add overhead, and on a busy 2-core machine they make this
-    # file ~6x slower.  Restored afterwards so other test modules are unaffected.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)
