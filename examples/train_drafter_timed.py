@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel  # noqa: E402
-from hf_adaptive_spec.cli import load_model  # noqa: E402
+from hf_adaptive_spec.loading import load_model  # noqa: E402
 from hf_adaptive_spec.training.cli import (  # noqa: E402
     _prompts, save_drafter_folder, set_frequent_vocabulary, split_held_out)
 from hf_adaptive_spec.training.data import build_examples  # noqa: E402

@@ -425,21 +425,8 @@ def encode_prompt(tokenizer, messages: list, device) -> dict:
 # ----------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------
-def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optional[PromptLoader] = None) -> dict:
-    """Run the benchmark described by `args` (from `add_arguments`) and write the outputs to `args.out`.
-
-    Args:
-        args: the parsed options.
-        model_loader: `(name, args, role) -> (model, tokenizer)`, role "target" or "drafter" (default `load_model`).
-        prompt_loader: `(dataset, limit) -> [Prompt]` (default `hf_adaptive_spec.data.load_prompts`).
-
-    Returns:
-        The results dict also written to ``results.json``; ``results["exit_code"]`` is 0 when every run
-        succeeded and matched plain greedy, else 1 (the CLI should exit with it).
-    """
-    from tqdm.auto import tqdm
-
-    started = _now()
+def _prelude(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
+    """Check every option before anything is loaded, set threads and seed; `(device, laspec drafter?, prompts)`."""
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1.")
     if args.limit is not None and args.limit < 1:
@@ -456,18 +443,41 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
     _check_drafter_options(args, laspec)
     build_methods(args, device)  # validate every option before loading anything
 
-    model_loader = model_loader or load_model
     prompt_loader = prompt_loader or _default_prompt_loader
     prompts = []
     for dataset in dict.fromkeys(args.datasets):
         prompts.extend(prompt_loader(dataset, args.limit))
     if not prompts:
         raise ValueError("no prompts to run.")
-    if getattr(args, "cold", False):
-        from .cold import run_cold
+    return device, laspec, prompts
 
-        spec = [method for method in build_methods(args, device) if method.kind == "spec"]
-        return run_cold(args, [method.name for method in spec], {m.name: m.spec_config for m in spec}, prompts[0])
+
+def plan_cold(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
+    """`(strategies, {strategy: spec_config}, first prompt)` for `cold.run_cold`, with the bench's checks."""
+    device, _, prompts = _prelude(args, prompt_loader)
+    spec = [method for method in build_methods(args, device) if method.kind == "spec"]
+    return [method.name for method in spec], {method.name: method.spec_config for method in spec}, prompts[0]
+
+
+def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optional[PromptLoader] = None) -> dict:
+    """Run the benchmark described by `args` (from `add_arguments`) and write the outputs to `args.out`.
+
+    Args:
+        args: the parsed options.
+        model_loader: `(name, args, role) -> (model, tokenizer)`, role "target" or "drafter" (default `load_model`).
+        prompt_loader: `(dataset, limit) -> [Prompt]` (default `hf_adaptive_spec.data.load_prompts`).
+
+    Returns:
+        The results dict also written to ``results.json``; ``results["exit_code"]`` is 0 when every run
+        succeeded and matched plain greedy, else 1 (the CLI should exit with it).
+    """
+    from tqdm.auto import tqdm
+
+    started = _now()
+    if getattr(args, "cold", False):
+        raise ValueError("--cold runs through `hf-adaptive-spec bench --cold` (hf_adaptive_spec.cold.run_cold).")
+    device, laspec, prompts = _prelude(args, prompt_loader)
+    model_loader = model_loader or load_model
 
     load_start = time.perf_counter()
     target, tokenizer = model_loader(args.target, args, "target")

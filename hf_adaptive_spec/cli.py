@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
+from .loading import chat_inputs as _chat_inputs, load_drafter, load_model, resolve_path as _resolve_path  # noqa: F401
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
@@ -14,81 +14,6 @@ DEMO_PROMPT = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals "
     "and returns them sorted. Include a docstring with two doctest examples."
 )
-
-
-def _resolve_path(name_or_path: str, progress: bool = True) -> Path:
-    """A local HF folder, or a registry name fetched (once) into the cache."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    from .models import REGISTRY, fetch
-
-    if name_or_path in REGISTRY:
-        return fetch(name_or_path, progress=progress)
-    raise SystemExit(
-        f"{name_or_path!r} is neither a local model folder nor a registry name "
-        f"({', '.join(sorted(REGISTRY))})."
-    )
-
-
-def load_model(name_or_path: str, dtype: str = "float32"):
-    """Load a causal LM or a VLM (with its processor or tokenizer) from a folder or registry name."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
-
-    path = _resolve_path(name_or_path)
-    config = AutoConfig.from_pretrained(path)
-    torch_dtype = getattr(torch, dtype)
-    if hasattr(config, "vision_config"):
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
-        processor = AutoProcessor.from_pretrained(path)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
-        processor = AutoTokenizer.from_pretrained(path)
-    return model.eval(), processor
-
-
-def _chat_inputs(processor, prompt: str, image_path: str | None = None, chat: bool = True):
-    if image_path is not None:
-        try:
-            from PIL import Image
-        except ImportError as error:
-            raise SystemExit("--image needs Pillow: pip install pillow") from error
-
-        image = Image.open(image_path).convert("RGB")
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return processor(text=[text], images=[image], return_tensors="pt")
-    tokenizer = getattr(processor, "tokenizer", processor)
-    if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-    return tokenizer(prompt, return_tensors="pt")
-
-
-def _is_laspec(name_or_path: str) -> bool:
-    from .drafters.hub import SHIPPED_DRAFTERS, is_laspec_folder
-
-    return name_or_path in SHIPPED_DRAFTERS or is_laspec_folder(Path(name_or_path).expanduser())
-
-
-def load_drafter(name_or_path: str, target, int8: bool, dtype: str = "float32"):
-    """A LaSpec drafter (shipped name or folder; attached to `target`) or an independent HF model."""
-    if _is_laspec(name_or_path):
-        from .drafters.hub import load_drafter as load_laspec
-
-        return load_laspec(name_or_path, target)  # int8 does not apply: one small forward per round
-    drafter, _ = load_model(name_or_path, dtype)
-    return _prepare_drafter(drafter, int8)
-
-
-def _prepare_drafter(drafter, int8: bool):
-    if not int8:
-        return drafter
-    from . import quantize_drafter
-
-    return quantize_drafter(drafter)
 
 
 def _spec_config(text: str | None):
@@ -197,6 +122,14 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from . import bench, cold
+
+    if args.cold:
+        return cold.run_cold(args, *bench.plan_cold(args))["exit_code"]
+    return bench.run(args)["exit_code"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .strategies import STRATEGIES
 
@@ -248,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench as bench_module
 
     bench_module.add_arguments(bench)
-    bench.set_defaults(func=lambda args: bench_module.run(args)["exit_code"])
+    bench.set_defaults(func=_bench)
 
     from .training import cli as train_cli
 

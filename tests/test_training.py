@@ -986,7 +986,7 @@ def test_frequent_tokens_counts_the_answers():
 
 
 def test_image_prompts_file(tmp_path, monkeypatch):
-    from hf_adaptive_spec import cli as main_cli
+    from hf_adaptive_spec import loading
     from hf_adaptive_spec.training.cli import image_prompts
     from hf_adaptive_spec.training.data import EncodedPrompt
 
@@ -996,7 +996,7 @@ def test_image_prompts_file(tmp_path, monkeypatch):
         seen.append((text, image_path))
         return {"input_ids": torch.tensor([[1, 2, 3]]), "pixel_values": torch.zeros(1, 3, 8, 8)}
 
-    monkeypatch.setattr(main_cli, "_chat_inputs", fake_chat_inputs)
+    monkeypatch.setattr(loading, "chat_inputs", fake_chat_inputs)
     (tmp_path / "a.png").write_bytes(b"png")
     file = tmp_path / "prompts.jsonl"
     file.write_text('{"image": "a.png", "prompt": "What shape?", "id": "shapes/0"}\n\n{"image": "a.png", "prompt": "Color?"}\n')

@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _load_target(name: str):
-    from ..cli import load_model
+    from ..loading import load_model
 
     return load_model(name)  # (model, processor or tokenizer)
 
@@ -139,7 +139,7 @@ def _read_jsonl(path: Path, option: str, expected: str, parse) -> list:
 def image_prompts(path, processor) -> list:
     """`EncodedPrompt`s from a JSON-lines file of `{"image": PATH, "prompt": TEXT, "id": ...}` (image paths
     relative to the file), encoded with the VLM's processor and chat template."""
-    from ..cli import _chat_inputs
+    from ..loading import chat_inputs as _chat_inputs
     from .data import EncodedPrompt
 
     path = Path(path)

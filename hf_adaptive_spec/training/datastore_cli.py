@@ -84,7 +84,7 @@ def answer_prompts(model, tokenizer, prompts: list, max_new_tokens: int, batch_s
 
 
 def run(args) -> int:
-    from ..cli import _resolve_path, load_model
+    from ..loading import load_model, resolve_path as _resolve_path
     from ..datastore import DATASTORE_FILE, TokenDatastore
     from ..drafters.hub import describe_datastore, is_laspec_folder
     from .cli import _prompts_by_spec

@@ -1,0 +1,85 @@
+"""Loading models for the command line, training and the datastore builder: a registry name or a local folder
+-> model and processor / tokenizer; drafters (LaSpec, or an independent model, optionally int8); chat inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["chat_inputs", "int8_drafter", "is_laspec", "load_drafter", "load_model", "resolve_path"]
+
+
+def resolve_path(name_or_path: str, progress: bool = True) -> Path:
+    """A local HF folder, or a registry name fetched (once) into the cache."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from .models import REGISTRY, fetch
+
+    if name_or_path in REGISTRY:
+        return fetch(name_or_path, progress=progress)
+    raise SystemExit(
+        f"{name_or_path!r} is neither a local model folder nor a registry name "
+        f"({', '.join(sorted(REGISTRY))})."
+    )
+
+
+def load_model(name_or_path: str, dtype: str = "float32"):
+    """Load a causal LM or a VLM (with its processor or tokenizer) from a folder or registry name."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    path = resolve_path(name_or_path)
+    config = AutoConfig.from_pretrained(path)
+    torch_dtype = getattr(torch, dtype)
+    if hasattr(config, "vision_config"):
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        processor = AutoProcessor.from_pretrained(path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        processor = AutoTokenizer.from_pretrained(path)
+    return model.eval(), processor
+
+
+def chat_inputs(processor, prompt: str, image_path: str | None = None, chat: bool = True):
+    """Model inputs for one user prompt (and an image file, for a VLM), through the chat template if any."""
+    if image_path is not None:
+        try:
+            from PIL import Image
+        except ImportError as error:
+            raise SystemExit("--image needs Pillow: pip install pillow") from error
+
+        image = Image.open(image_path).convert("RGB")
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return processor(text=[text], images=[image], return_tensors="pt")
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def is_laspec(name_or_path: str) -> bool:
+    from .drafters.hub import SHIPPED_DRAFTERS, is_laspec_folder
+
+    return name_or_path in SHIPPED_DRAFTERS or is_laspec_folder(Path(name_or_path).expanduser())
+
+
+def load_drafter(name_or_path: str, target, int8: bool, dtype: str = "float32"):
+    """A LaSpec drafter (shipped name or folder; attached to `target`) or an independent HF model."""
+    if is_laspec(name_or_path):
+        from .drafters.hub import load_drafter as load_laspec
+
+        return load_laspec(name_or_path, target)  # int8 does not apply: one small forward per round
+    drafter, _ = load_model(name_or_path, dtype)
+    return int8_drafter(drafter, int8)
+
+
+def int8_drafter(drafter, int8: bool):
+    """`drafter`, or its int8 copy (`quantize_drafter`) when `int8`."""
+    if not int8:
+        return drafter
+    from . import quantize_drafter
+
+    return quantize_drafter(drafter)
