@@ -84,7 +84,7 @@ def test_registry_lists_strategies():
         (dict(spec_strategy="static_tree", spec_config={"paths": [(0, 1)]}), "prefix-closed"),
         (dict(spec_strategy="static_tree", spec_config={"paths": [(0,), (200,)]}), "StaticTreeConfig.paths"),
         (dict(spec_strategy="sage", spec_config={"alpha_source": "future"}), "alpha_source"),
-        (dict(spec_strategy="sage", spec_config={"top_k": 500}), "SageConfig.top_k"),
+        (dict(spec_strategy="sage", spec_config={"w_max": 500.0}), "SageConfig.w_max"),
         (dict(spec_strategy="sage", spec_config={"depth": 3}), "SageConfig has no field 'depth'"),
         (dict(spec_strategy="sage", cache_implementation="static"), "Static cache|DynamicCache"),
         (dict(spec_strategy="sage", output_attentions=True, return_dict_in_generate=True), "output_attentions"),
