@@ -1,4 +1,4 @@
-"""The `hf-adaptive-spec` command: fetch, demo, generate, prepare, bench, train-drafter, build-datastore."""
+"""The `hf-adaptive-spec` command: fetch, demo, generate, prepare, bench, train-drafter, train-vlm, build-datastore."""
 
 from __future__ import annotations
 
@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train-drafter", help="train a LaSpec drafter on data the target makes (accelerate)")
     train_cli.add_arguments(train)
     train.set_defaults(func=train_cli.run)
+
+    from .training import vlm_cli
+
+    vlm = sub.add_parser("train-vlm", help="train the scenes VLM's vision tower and projector (accelerate)")
+    vlm_cli.add_arguments(vlm)
+    vlm.set_defaults(func=vlm_cli.run)
 
     from .training import datastore_cli
 

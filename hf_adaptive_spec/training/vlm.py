@@ -1,0 +1,304 @@
+"""Training the scenes VLM (`hf_adaptive_spec.scenes_vlm`): a vision tower and projector under a frozen SmolLM2.
+
+Two stages, both on seeded random train scenes (`hf_adaptive_spec.scenes`):
+
+1. **tower**: the vision tower alone, as a classifier: its patch features (the ones the projector reads),
+   averaged over each quadrant, predict that quadrant's colour and shape through two linear heads. End-to-end
+   language-model loss alone stalls: the tower must first learn to see.
+2. **lm**: tower + projector under the frozen language model, on the language-model loss of the assistant's
+   answers (the scene's description, or the answer to one question about one position), plus the stage-1
+   classification loss (weighted by `aux_weight`) so the tower keeps what it learned.
+
+Runs on one CPU or under `accelerate launch`; checkpoints (`checkpoint-N/`) hold the trained parts, the heads
+and the optimizer, and `resume` continues from the latest one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..scenes import COLORS, DESCRIBE_REQUEST, POSITIONS, SHAPES, make_scenes, scene_messages
+
+__all__ = ["QuadrantHeads", "VLMTrainConfig", "evaluate_scenes", "parse_description", "train_scenes_vlm"]
+
+
+@dataclass
+class VLMTrainConfig:
+    """Settings of `train_scenes_vlm` (defaults: the shipped run)."""
+
+    tower_steps: int = 600
+    tower_batch: int = 64
+    tower_lr: float = 1e-3
+    lm_steps: int = 700
+    lm_batch: int = 8
+    lm_lr: float = 1e-3
+    lm_tower_lr: float = 2e-4
+    aux_weight: float = 0.5
+    describe_fraction: float = 0.5  # share of LM samples that ask for the description (the rest: one question)
+    bf16: bool = True  # autocast the LM stage to bfloat16 (CPUs with AMX / GPUs)
+    eval_scenes: int = 48
+    eval_every: int = 0  # LM steps between held-out evaluations (0: only at the end)
+    checkpoint_every: int = 100
+    seed: int = 0
+
+
+class QuadrantHeads(nn.Module):
+    """Colour and shape logits of each quadrant from the tower's patch features (the projector's input)."""
+
+    def __init__(self, hidden_size: int, grid: int):
+        super().__init__()
+        self.grid = grid
+        self.color = nn.Linear(hidden_size, len(COLORS))
+        self.shape = nn.Linear(hidden_size, len(SHAPES))
+
+    def forward(self, patches: torch.Tensor) -> tuple:
+        # patches: (B, grid*grid, H) in row-major patch order -> quadrant means (B, 4, H) in POSITIONS order
+        batch, _, hidden = patches.shape
+        half = self.grid // 2
+        grid = patches.reshape(batch, 2, half, 2, half, hidden)  # (B, row half, row, col half, col, H)
+        quadrants = grid.mean(dim=(2, 4)).reshape(batch, 4, hidden)  # (B, 4, H): TL, TR, BL, BR
+        return self.color(quadrants), self.shape(quadrants)
+
+
+def _patch_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
+    """(B, 64, H) patch features as the projector sees them (the configured layer, CLS dropped)."""
+    tower = model.model.vision_tower
+    out = tower(pixel_values, output_hidden_states=True)
+    return out.hidden_states[model.config.vision_feature_layer][:, 1:]
+
+
+def _targets(scenes: list, device) -> tuple:
+    colors = torch.tensor([[COLORS.index(c) for c, _ in s.objects] for s in scenes], device=device)
+    shapes = torch.tensor([[SHAPES.index(h) for _, h in s.objects] for s in scenes], device=device)
+    return colors, shapes  # (B, 4) each
+
+
+def _aux_loss(heads, features, scenes) -> tuple:
+    color_logits, shape_logits = heads(features)
+    colors, shapes = _targets(scenes, features.device)
+    loss = nn.functional.cross_entropy(color_logits.flatten(0, 1), colors.flatten()) + \
+        nn.functional.cross_entropy(shape_logits.flatten(0, 1), shapes.flatten())
+    right = ((color_logits.argmax(-1) == colors).float().mean().item(),
+             (shape_logits.argmax(-1) == shapes).float().mean().item())
+    return loss, right
+
+
+def _lm_batch(processor, scenes: list, rng: random.Random, describe_fraction: float) -> tuple:
+    """Left-padded inputs of `scenes` with one request each; labels mark the assistant's answer only.
+
+    Returns (inputs, labels (B, K), K): the answer (+ end-of-turn token) sits in the last K positions of every
+    row, so logits are needed for those only."""
+    tokenizer = processor.tokenizer
+    prompts, answers = [], []
+    for scene in scenes:
+        if rng.random() < describe_fraction:
+            request, answer = DESCRIBE_REQUEST, scene.description
+        else:
+            request, answer = scene.questions[rng.randrange(len(scene.questions))]
+        prompts.append(processor.apply_chat_template(scene_messages(request), add_generation_prompt=True,
+                                                     tokenize=False))
+        answers.append(answer + "<|im_end|>")
+    texts = [p + a for p, a in zip(prompts, answers)]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        inputs = processor(text=texts, images=[s.image for s in scenes], return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+    answer_ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers]
+    keep = max(len(a) for a in answer_ids) + 1  # logits at position t predict token t + 1
+    labels = torch.full((len(scenes), keep), -100, dtype=torch.long)
+    for row, ids in enumerate(answer_ids):
+        labels[row, keep - len(ids):] = torch.tensor(ids)
+        if inputs["input_ids"][row, -len(ids):].tolist() != ids:
+            raise ValueError(f"the answer {answers[row]!r} does not tokenize the same inside the prompt.")
+    return inputs, labels, keep
+
+
+def _lm_loss(model, inputs, labels, keep) -> torch.Tensor:
+    logits = model(**inputs, logits_to_keep=keep).logits  # (B, keep, V): positions -keep .. -1
+    # logits at position t predict token t + 1: shift by one inside the kept window
+    predicted = logits[:, :-1].float()
+    target = labels[:, 1:].to(predicted.device)
+    return nn.functional.cross_entropy(predicted.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+_DESCRIPTION = re.compile(r"(top left|top right|bottom left|bottom right):\s*an?\s+(\w+)\s+(\w+)", re.IGNORECASE)
+
+
+def parse_description(text: str) -> dict:
+    """``{position: (colour, shape)}`` read from a generated description (positions it does not name are
+    missing)."""
+    found = {}
+    for position, color, shape in _DESCRIPTION.findall(text):
+        found.setdefault(position.lower(), (color.lower(), shape.lower().rstrip(".")))
+    return found
+
+
+@torch.no_grad()
+def evaluate_scenes(model, processor, scenes: list, max_new_tokens: int = 48, blank: bool = False) -> dict:
+    """Greedy descriptions of `scenes` scored against their objects.
+
+    Args:
+        blank: describe a blank white image instead (what the model says without seeing anything).
+
+    Returns:
+        dict: `color` / `shape` (share of the 4 x len(scenes) colour / shape words right), `scenes_right` (share
+        of scenes with all 8 words right), `samples` (the first 3 descriptions).
+    """
+    from PIL import Image
+
+    model.eval()
+    prompt = processor.apply_chat_template(scene_messages(DESCRIBE_REQUEST), add_generation_prompt=True,
+                                           tokenize=False)
+    color = shape = whole = 0
+    samples = []
+    for scene in scenes:
+        image = Image.new("RGB", scene.image.size, (255, 255, 255)) if blank else scene.image
+        inputs = processor(text=[prompt], images=[image], return_tensors="pt")
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        text = processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        read = parse_description(text)
+        right = [(read.get(name, (None, None))[0] == c, read.get(name, (None, None))[1] == h)
+                 for (name, _, _), (c, h) in zip(POSITIONS, scene.objects)]
+        color += sum(r[0] for r in right)
+        shape += sum(r[1] for r in right)
+        whole += all(r[0] and r[1] for r in right)
+        if len(samples) < 3:
+            samples.append({"scene": scene.id, "truth": scene.description, "said": text})
+    n = max(1, len(scenes))
+    return {"color": color / (4 * n), "shape": shape / (4 * n), "scenes_right": whole / n, "scenes": len(scenes),
+            "samples": samples}
+
+
+def _latest_checkpoint(out_dir: Path):
+    checkpoints = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    return checkpoints[-1] if checkpoints else None
+
+
+def _cosine(step: int, total: int) -> float:
+    warmup = max(1, total // 20)
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, resume: bool = False,
+                     accelerator=None, progress: bool = True, log=print, scene_source=make_scenes) -> dict:
+    """Train `model`'s vision tower and projector in place (the language model stays frozen).
+
+    Args:
+        model: the scenes VLM (`scenes_vlm.build_scenes_vlm`).
+        processor: its processor.
+        config ([`VLMTrainConfig`]).
+        out_dir (path, *optional*): checkpoints (`checkpoint-N/`) go here.
+        resume (`bool`): continue from the latest checkpoint in `out_dir`.
+        accelerator (`accelerate.Accelerator`, *optional*): created if not given.
+        scene_source: `(split, count, seed=, start=) -> scenes` (tests pass a cheap fake).
+
+    Returns:
+        dict with `history` (stage, step, loss, color / shape accuracy of the heads, seconds), `evals` and
+        `config`.
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    accelerator = accelerator or Accelerator()
+    torch.manual_seed(config.seed)
+    vision = model.config.vision_config
+    heads = QuadrantHeads(vision.hidden_size, vision.image_size // vision.patch_size)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad = name.startswith(("model.vision_tower.", "model.multi_modal_projector."))
+    tower_params = list(model.model.vision_tower.parameters())
+    projector_params = list(model.model.multi_modal_projector.parameters())
+    total = config.tower_steps + config.lm_steps
+    out_dir = Path(out_dir) if out_dir is not None else None
+    start, history, evals = 0, [], []
+    trained_keys = [k for k in model.state_dict() if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))]
+    state = None
+    if resume and out_dir is not None and (checkpoint := _latest_checkpoint(out_dir)) is not None:
+        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+        model.load_state_dict(state["trained"], strict=False)
+        heads.load_state_dict(state["heads"])
+        start, history, evals = state["step"], state["history"], state["evals"]
+        log(f"resumed from {checkpoint} at step {start}")
+
+    def optimizer_for(stage: str):
+        if stage == "tower":
+            groups = [{"params": tower_params + list(heads.parameters()), "lr": config.tower_lr}]
+        else:
+            groups = [{"params": projector_params + list(heads.parameters()), "lr": config.lm_lr},
+                      {"params": tower_params, "lr": config.lm_tower_lr}]
+        return torch.optim.AdamW(groups, weight_decay=0.0)
+
+    stage = "tower" if start < config.tower_steps else "lm"
+    optimizer = optimizer_for(stage)
+    if state is not None and state.get("stage") == stage:
+        optimizer.load_state_dict(state["optimizer"])
+    base_lrs = [g["lr"] for g in optimizer.param_groups]
+    rng = random.Random(config.seed * 1000 + accelerator.process_index + start)
+    bar = tqdm(desc=f"train-vlm ({stage})", disable=not progress, initial=start, total=total)
+    started = time.perf_counter()
+    model.train()
+    step = start
+    while step < total:
+        if step == config.tower_steps and stage == "tower":
+            stage = "lm"
+            optimizer = optimizer_for(stage)
+            base_lrs = [g["lr"] for g in optimizer.param_groups]
+            bar.set_description("train-vlm (lm)")
+        local = step if stage == "tower" else step - config.tower_steps
+        stage_total = config.tower_steps if stage == "tower" else config.lm_steps
+        for group, lr in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = lr * _cosine(local, stage_total)
+        batch_size = config.tower_batch if stage == "tower" else config.lm_batch
+        scenes = scene_source("train", batch_size, seed=config.seed, start=step * batch_size)
+        if stage == "tower":
+            pixels = processor.image_processor([s.image for s in scenes], return_tensors="pt")["pixel_values"]
+            loss, right = _aux_loss(heads, _patch_features(model, pixels), scenes)
+        else:
+            inputs, labels, keep = _lm_batch(processor, scenes, rng, config.describe_fraction)
+            with torch.autocast("cpu" if accelerator.device.type == "cpu" else accelerator.device.type,
+                                dtype=torch.bfloat16, enabled=config.bf16):
+                lm = _lm_loss(model, inputs, labels, keep)
+                aux, right = _aux_loss(heads, _patch_features(model, inputs["pixel_values"]), scenes)
+            loss = lm + config.aux_weight * aux
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+        optimizer.step()
+        step += 1
+        history.append({"stage": stage, "step": step, "loss": loss.item(), "color": right[0], "shape": right[1],
+                        "seconds": time.perf_counter() - started})
+        bar.set_postfix(loss=f"{loss.item():.3f}", color=f"{right[0]:.2f}", shape=f"{right[1]:.2f}")
+        bar.update(1)
+        lm_done = step - config.tower_steps
+        if config.eval_scenes and lm_done > 0 and (step == total or (config.eval_every and lm_done % config.eval_every == 0)):
+            result = evaluate_scenes(model, processor, scene_source("test", config.eval_scenes, seed=config.seed))
+            evals.append({"step": step, **result})
+            log(f"step {step}: held-out colour {result['color']:.3f}, shape {result['shape']:.3f}, "
+                f"scenes all right {result['scenes_right']:.3f}")
+            model.train()
+        if out_dir is not None and accelerator.is_main_process and (
+                step == total or (config.checkpoint_every and step % config.checkpoint_every == 0)):
+            checkpoint = out_dir / f"checkpoint-{step}"
+            checkpoint.mkdir(parents=True, exist_ok=True)
+            trained = {k: v for k, v in model.state_dict().items() if k in trained_keys}
+            torch.save({"trained": trained, "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
+                        "stage": stage, "step": step, "history": history, "evals": evals,
+                        "config": asdict(config)}, checkpoint / "training_state.pt")
+            (checkpoint / "progress.json").write_text(json.dumps({"step": step, "evals": evals}, indent=1))
+    bar.close()
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad = False
+    return {"history": history, "evals": evals, "config": asdict(config)}

@@ -1,0 +1,210 @@
+"""Scenes from easy-vqa, the scenes VLM (assembly, training, Auto round trip) and speculative decoding on it."""
+
+import hashlib
+import io
+import zipfile
+
+import pytest
+import torch
+
+from conftest import fetch_real_smollm2
+from hf_adaptive_spec import scenes as scenes_module
+from hf_adaptive_spec.scenes import (COLORS, DESCRIBE_REQUEST, POSITIONS, image_labels,
+                                     labels_from_questions, make_scenes, scene_messages)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_labels_from_questions_reads_open_yes_no_and_negated_questions():
+    questions = [
+        ["what color is the circle?", "red", 0],  # colour and shape of image 0
+        ["is there not a blue shape?", "yes", 1],  # negated: blue excluded
+        ["does the image contain a triangle?", "yes", 1],
+        *[[f"is there a {c} shape?", "no", 1] for c in COLORS if c not in ("blue", "teal")],
+        ["is no teal shape present?", "no", 1],  # negated "no": teal holds
+        ["what shape is present?", "rectangle", 2],  # colour never determined: left out
+    ]
+    assert labels_from_questions(questions) == {0: ("red", "circle"), 1: ("teal", "triangle")}
+    with pytest.raises(ValueError, match="confirm and exclude"):
+        labels_from_questions([["what color is the circle?", "red", 0], ["is there a red shape?", "no", 0]])
+
+
+@pytest.fixture(scope="module")
+def easy_vqa_archive():
+    try:
+        return scenes_module._archive()
+    except Exception as error:  # the package index is the only network: skip when it cannot be reached
+        pytest.skip(f"easy-vqa could not be fetched: {error}")
+
+
+def _pixels(image) -> str:
+    return hashlib.sha256(image.convert("RGB").tobytes()).hexdigest()
+
+
+def test_scenes_are_deterministic_and_held_out_scenes_share_no_source_image(easy_vqa_archive):
+    first = make_scenes("test", 6, seed=3)
+    again = make_scenes("test", 6, seed=3)
+    assert [_pixels(s.image) for s in first] == [_pixels(s.image) for s in again]
+    assert [s.description for s in first] == [s.description for s in again]
+    assert [s.questions for s in first] == [s.questions for s in again]
+    tail = make_scenes("test", 2, seed=3, start=4)  # scene i does not depend on start / count
+    assert [s.image_ids for s in tail] == [s.image_ids for s in first[4:]]
+    assert [s.image_ids for s in make_scenes("test", 6, seed=4)] != [s.image_ids for s in first]
+
+    scene = first[0]
+    assert scene.image.size == (128, 128) and len(set(scene.image_ids)) == 4
+    labels = image_labels("test")
+    for s in first:
+        assert s.objects == tuple(labels[i] for i in s.image_ids)
+        for (name, _, _), (color, shape) in zip(POSITIONS, s.objects):
+            assert f"{name.capitalize()}: a {color} {shape}." in s.description
+            assert (f"What color is the shape at the {name}?", f"The shape at the {name} is {color}.") in s.questions
+
+    # every tile of a held-out scene is one of easy-vqa's TEST images, and equals none of its train images
+    with zipfile.ZipFile(easy_vqa_archive) as wheel:
+        from PIL import Image
+
+        def tile(split, image_id):
+            return Image.open(io.BytesIO(wheel.read(f"easy_vqa/data/{split}/images/{image_id}.png")))
+
+        train_pixels = {_pixels(tile("train", i)) for i in image_labels("train")}
+        for s in first:
+            for (_, column, row), image_id in zip(POSITIONS, s.image_ids):
+                crop = s.image.crop((64 * column, 64 * row, 64 * column + 64, 64 * row + 64))
+                assert _pixels(crop) == _pixels(tile("test", image_id))
+                assert _pixels(crop) not in train_pixels
+    train = make_scenes("train", 4)
+    assert all(set(s.image_ids) <= set(image_labels("train")) for s in train)
+    with pytest.raises(ValueError, match="split"):
+        make_scenes("validation", 1)
+
+
+# ----------------------------------------------------------------------------
+# A tiny VLM with SmolLM2's real tokenizer (so the image token is id 16, as in the real one)
+# ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_language_model(tmp_path_factory):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    _, real = fetch_real_smollm2(tmp_path_factory)
+    folder = tmp_path_factory.mktemp("tiny_smollm2")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(real).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tiny_language_model, easy_vqa_archive):
+    from hf_adaptive_spec.scenes_vlm import build_scenes_vlm
+
+    return build_scenes_vlm(tiny_language_model, seed=1)
+
+
+def _inputs(processor, images, request=DESCRIBE_REQUEST):
+    prompt = processor.apply_chat_template(scene_messages(request), add_generation_prompt=True, tokenize=False)
+    side = processor.tokenizer.padding_side
+    processor.tokenizer.padding_side = "left"
+    try:
+        return processor(text=[prompt] * len(images), images=images, return_tensors="pt", padding=True)
+    finally:
+        processor.tokenizer.padding_side = side
+
+
+def test_scenes_vlm_keeps_the_vocabulary_and_round_trips_through_the_auto_classes(tiny_vlm, tiny_language_model,
+                                                                                  tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from hf_adaptive_spec.scenes_vlm import (IMAGE_TOKEN_ID, assemble_scenes_vlm, fetch_scenes_vlm,
+                                             save_trained_parts)
+
+    model, processor = tiny_vlm
+    assert model.config.text_config.vocab_size == 49152 == len(processor.tokenizer)
+    inputs = _inputs(processor, [make_scenes("test", 1)[0].image])
+    assert int((inputs["input_ids"] == IMAGE_TOKEN_ID).sum()) == 64  # 8x8 patches, CLS dropped
+    parts = save_trained_parts(model, tmp_path / "parts")
+    size = sum(f.stat().st_size for f in parts.iterdir())
+    assert size < 30e6
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    for folder in (assemble_scenes_vlm(tiny_language_model, parts, tmp_path / "full"),
+                   fetch_scenes_vlm(cache_dir=tmp_path / "cache", trained_parts=parts,
+                                    language_model=tiny_language_model, progress=False)):
+        loaded = AutoModelForImageTextToText.from_pretrained(folder).eval()
+        loaded_processor = AutoProcessor.from_pretrained(folder)
+        again = _inputs(loaded_processor, [make_scenes("test", 1)[0].image])
+        assert torch.equal(again["input_ids"], inputs["input_ids"])
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**again).logits, expected)
+    # a cached assembly is reused, and rebuilt when the trained parts change
+    cached = tmp_path / "cache" / "scenes-vlm-135m"
+    stamp = (cached / "model.safetensors").stat().st_mtime_ns
+    assert fetch_scenes_vlm(cache_dir=tmp_path / "cache", trained_parts=parts, language_model=tiny_language_model,
+                            progress=False) == cached
+    assert (cached / "model.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(FileNotFoundError, match="train-vlm"):
+        fetch_scenes_vlm(cache_dir=tmp_path / "cache", trained_parts=tmp_path / "nothing")
+
+
+def test_tiny_train_vlm_lowers_the_loss_and_resumes(tiny_language_model, easy_vqa_archive, tmp_path):
+    from hf_adaptive_spec.scenes_vlm import build_scenes_vlm
+    import random
+
+    from hf_adaptive_spec.training.vlm import VLMTrainConfig, _lm_batch, _lm_loss, train_scenes_vlm
+
+    model, processor = build_scenes_vlm(tiny_language_model, seed=2)
+    held_out = make_scenes("test", 4)
+    inputs, labels, keep = _lm_batch(processor, held_out, random.Random(0), describe_fraction=1.0)
+
+    def lm_loss():
+        with torch.no_grad():
+            return float(_lm_loss(model, inputs, labels, keep))
+
+    language_before = {k: v.clone() for k, v in model.model.language_model.state_dict().items()}
+    before = lm_loss()
+    config = VLMTrainConfig(tower_steps=4, tower_batch=8, tower_lr=3e-3, lm_steps=8, lm_batch=4, lm_lr=1e-2,
+                            lm_tower_lr=1e-3, bf16=False, eval_scenes=0, checkpoint_every=6)
+    result = train_scenes_vlm(model, processor, config, out_dir=tmp_path, progress=False, log=lambda *_: None)
+    assert [h["stage"] for h in result["history"]] == ["tower"] * 4 + ["lm"] * 8
+    assert lm_loss() < before
+    # the language model is frozen: only the vision tower and the projector changed
+    for key, value in model.model.language_model.state_dict().items():
+        assert torch.equal(value, language_before[key]), key
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]
+
+    # resume: a longer run continues after the latest checkpoint instead of starting over
+    resumed, _ = build_scenes_vlm(tiny_language_model, seed=2)
+    longer = VLMTrainConfig(**{**result["config"], "lm_steps": 10})
+    notes = []
+    again = train_scenes_vlm(resumed, processor, longer, out_dir=tmp_path, resume=True, progress=False,
+                             log=notes.append)
+    assert notes and "step 12" in notes[0]
+    assert [h["step"] for h in again["history"]] == list(range(1, 15))
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_speculative_decoding_on_the_scenes_vlm_equals_plain_greedy(tiny_vlm, tiny_language_model, batch_size):
+    import hf_adaptive_spec
+    from transformers import AutoModelForCausalLM
+
+    from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+
+    model, processor = tiny_vlm
+    inputs = _inputs(processor, [s.image for s in make_scenes("test", batch_size, seed=5)])
+    expected = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    image_blind = AutoModelForCausalLM.from_pretrained(tiny_language_model).eval()  # the LM without the tower
+    image_aware = hf_adaptive_spec.quantize_drafter(model)  # the VLM itself, int8: sees the image
+    torch.manual_seed(3)
+    laspec = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(model, block_size=4, num_visual_tokens=8)).eval()
+    with torch.no_grad():
+        for layer in laspec.layers:
+            layer.visual_gate.fill_(0.5)  # a live visual branch
+    runs = [("chain", image_blind), ("chain", image_aware), ("sage", image_blind), ("sage", image_aware),
+            ("static_tree", image_aware), ("laspec", laspec)]
+    for strategy, drafter in runs:
+        out = model.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                             spec_strategy=strategy)
+        assert torch.equal(out, expected), (strategy, type(drafter).__name__)
