@@ -35,13 +35,20 @@ def _report(stats, seconds: float, plain_seconds: float | None, same: bool | Non
 
 
 def cmd_fetch(args) -> int:
+    from .loading import model_names
     from .models import fetch, list_models
+    from .scenes_vlm import SCENES_VLM, fetch_scenes_vlm
 
-    names = list_models() if args.all else args.names
+    names = model_names() if args.all else args.names
     if not names:
-        raise SystemExit("name a model to fetch, or --all; available: " + ", ".join(list_models()))
+        raise SystemExit("name a model to fetch, or --all; available: " + ", ".join(model_names()))
     for name in names:
-        print(fetch(name, dtype=args.dtype))
+        if name == SCENES_VLM:  # assembled from SmolLM2 and the shipped vision tower (float32)
+            print(fetch_scenes_vlm())
+        elif name in list_models():
+            print(fetch(name, dtype=args.dtype))
+        else:
+            raise SystemExit(f"unknown model {name!r}; available: {', '.join(model_names())}")
     return 0
 
 

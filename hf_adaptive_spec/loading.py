@@ -5,21 +5,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["chat_inputs", "int8_drafter", "is_laspec", "load_drafter", "load_model", "resolve_path"]
+__all__ = ["chat_inputs", "int8_drafter", "is_laspec", "load_drafter", "load_model", "model_names", "resolve_path"]
+
+
+def model_names() -> list:
+    """Every name `resolve_path` knows: the registry's converted models and the assembled scenes VLM."""
+    from .models import list_models
+    from .scenes_vlm import SCENES_VLM
+
+    return sorted(list_models() + [SCENES_VLM])
 
 
 def resolve_path(name_or_path: str, progress: bool = True) -> Path:
-    """A local HF folder, or a registry name fetched (once) into the cache."""
+    """A local HF folder, or a registry name fetched (once) into the cache (the scenes VLM: assembled from
+    SmolLM2 and its shipped vision tower)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     from .models import REGISTRY, fetch
+    from .scenes_vlm import SCENES_VLM, fetch_scenes_vlm
 
     if name_or_path in REGISTRY:
         return fetch(name_or_path, progress=progress)
+    if name_or_path == SCENES_VLM:
+        return fetch_scenes_vlm(progress=progress)
     raise SystemExit(
-        f"{name_or_path!r} is neither a local model folder nor a registry name "
-        f"({', '.join(sorted(REGISTRY))})."
+        f"{name_or_path!r} is neither a local model folder nor a registry name ({', '.join(model_names())})."
     )
 
 

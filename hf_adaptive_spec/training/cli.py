@@ -49,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "ANSWERED sets, teacher-forced without generating (real text, ~10x cheaper on a CPU): "
                              "'stdlib_solutions[:N]' / 'stdlib_method_solutions[:N]' (the stdlib tasks answered "
                              "with the functions' own source), 'doc_explanations[:N]' (docstrings as answers) and "
-                             "'sharegpt_answers[:N]' (the ShareGPT requests with their own first ChatGPT answer)")
+                             "'sharegpt_answers[:N]' (the ShareGPT requests with their own first ChatGPT answer); VLM targets: "
+                             "'scenes[:N]' (descriptions of N train scenes of hf_adaptive_spec.scenes, answered "
+                             "by the target)")
     parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                         help="extra chat prompts, one JSON object per line: {\"prompt\": TEXT} or "
                              "{\"messages\": [...]}, optional \"id\"")
@@ -156,14 +158,36 @@ def image_prompts(path, processor) -> list:
     return _read_jsonl(path, "--image-prompts", '{"image": PATH, "prompt": TEXT}', parse)
 
 
-def _prompts_by_spec(specs: list, seed: int = 0) -> list:
-    """`[(spec, its prompts), ...]` for `--data` specs; a ValueError when none selects a prompt."""
+def scene_prompts(part: slice, processor, seed: int = 0) -> list:
+    """`EncodedPrompt`s asking for the description of TRAIN scenes `part` (`hf_adaptive_spec.scenes`: easy-vqa's
+    train images only), encoded with the VLM's processor; the target answers them."""
+    from ..scenes import DESCRIBE_REQUEST, make_scenes, scene_messages
+    from .data import EncodedPrompt
+
+    if processor is None or not hasattr(processor, "image_processor"):
+        raise ValueError("--data scenes[...]: the target has no image processor (is it a VLM?).")
+    if part.stop is None or part.step not in (None, 1) or (part.start or 0) < 0 or part.stop < 0:
+        raise ValueError("--data scenes[START:END]: give an END (scenes are generated, there is no whole set) and "
+                         "no negative bounds, e.g. 'scenes[:600]'.")
+    start = part.start or 0
+    prompt = processor.apply_chat_template(scene_messages(DESCRIBE_REQUEST), add_generation_prompt=True,
+                                           tokenize=False)
+    return [EncodedPrompt(scene.id, dict(processor(text=[prompt], images=[scene.image], return_tensors="pt")))
+            for scene in make_scenes("train", max(0, part.stop - start), seed=seed, start=start)]
+
+
+def _prompts_by_spec(specs: list, seed: int = 0, processor=None) -> list:
+    """`[(spec, its prompts), ...]` for `--data` specs; a ValueError when none selects a prompt. `scenes[...]`
+    needs the target's `processor`."""
     from ..data import load_prompts
     from .prompts import PROMPT_SOURCES
 
     selected = []
     for spec in specs:
         name, part = parse_data_spec(spec)
+        if name == "scenes":
+            selected.append((spec, scene_prompts(part, processor, seed)))
+            continue
         selected.append((spec, PROMPT_SOURCES[name](seed=seed)[part] if name in PROMPT_SOURCES
                          else load_prompts(name)[part]))
     if specs and not any(prompts for _, prompts in selected):
@@ -383,7 +407,7 @@ def run(args) -> int:
                                                     target_model_name=args.target)
     cache = Path(args.data_cache) if args.data_cache else None
     generate_dtype = None if args.generate_dtype == "same" else getattr(torch, args.generate_dtype)
-    by_spec = _prompts_by_spec(args.data, seed=args.seed)
+    by_spec = _prompts_by_spec(args.data, seed=args.seed, processor=processor)
     prompts = [prompt for _, selected in by_spec for prompt in selected]
     if args.prompts:
         prompts += prompts_file(args.prompts)
