@@ -36,7 +36,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -91,12 +91,15 @@ class Prompt:
         dataset: ``"humaneval"`` or ``"mtbench"``.
         category: MT-Bench category (``"writing"``, ``"math"``, ...); ``"humaneval"`` for HumanEval.
         messages: chat messages for ``tokenizer.apply_chat_template``: ``[{"role": "user", "content": ...}]``.
+        image: the prompt's image (``PIL.Image``) for a VLM, whose messages then hold an ``{"type": "image"}``
+            part; None for text prompts. Not part of `to_dict`.
     """
 
     id: str
     dataset: str
     category: str
     messages: list
+    image: object = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         return {"id": self.id, "dataset": self.dataset, "category": self.category,
