@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_adaptive_spec import bench, data
+from hf_adaptive_spec import bench, bench_vision, data
 from hf_adaptive_spec.data import Prompt
 from tiny_models import EOS_ID, PAD_ID, build_drafter, build_model
 
@@ -343,3 +343,45 @@ def test_laspec_strategy_needs_a_laspec_drafter(tmp_path):
         _run(tmp_path, "--strategies", "laspec", "--limit", "1")
     results = _run(tmp_path, "--no-stock", "--limit", "1", "--warmup", "0")  # default list skips laspec
     assert "laspec" not in results["methods"]
+
+
+# ----------------------------------------------------------------------------
+# Image prompts on a VLM: grounded-token acceptance and the visual-token sweep
+# ----------------------------------------------------------------------------
+def test_grounded_counts_on_a_hand_made_case():
+    # the prefill's token; round 0 accepts 2 (+ bonus); round 1 accepts 0 (+ correction); round 2 accepts 3,
+    # but the run is cut (max_new_tokens) after its first two drafts
+    accepted = bench_vision.accepted_mask(7, [2, 0, 3])
+    assert accepted == [False, True, True, False, False, True, True]
+    assert bench_vision.accepted_mask(9, [2, 0, 3]) == accepted + [True, False]  # uncut: 1 + 5 + 3 tokens
+    assert bench_vision.accepted_mask(1, []) == [False]
+    with pytest.raises(ValueError, match="at most 5 tokens"):
+        bench_vision.accepted_mask(6, [2, 0])
+    grounded = [True, True, False, False, True, False, True]
+    assert bench_vision.grounded_counts(accepted, grounded) == {
+        "grounded": {"tokens": 4, "accepted": 2},  # tokens 0, 1, 4, 6: accepted 1 and 6
+        "other": {"tokens": 3, "accepted": 2},  # tokens 2, 3, 5: accepted 2 and 5
+    }
+    with pytest.raises(ValueError, match="7 acceptance flags for 6"):
+        bench_vision.grounded_counts(accepted, grounded[:6])
+    pooled = bench_vision.pool_grounded([{"grounded": {"tokens": 4, "accepted": 2}, "other": {"tokens": 4,
+                                                                                            "accepted": 3}},
+                                         {"grounded": {"tokens": 0, "accepted": 0}, "other": {"tokens": 2,
+                                                                                            "accepted": 1}},
+                                         {"method": "no counts"}])
+    assert pooled["grounded"] == {"tokens": 4, "accepted": 2, "acceptance": 0.5}
+    assert pooled["other"] == {"tokens": 6, "accepted": 4, "acceptance": pytest.approx(4 / 6)}
+    assert bench_vision.pool_grounded([{}]) is None
+
+
+def test_grounded_mask_marks_the_tokens_of_whole_colour_and_shape_words():
+    pieces = ["Top", " left", ":", " a", " Red", "dish", " cir", "cle", ".", " red", "s", " TRI", "ANGLE", ", ci",
+              "rcle"]
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    words = frozenset({"red", "circle", "triangle"})
+    mask = bench_vision.grounded_mask(decode, list(range(len(pieces))), words)
+    # "Reddish" and "reds" are other words; "cir"+"cle" and "TRI"+"ANGLE" (any case) are grounded by parts;
+    # ", ci" overlaps the last "circle" only through "ci"
+    assert [pieces[i] for i, g in enumerate(mask) if g] == [" cir", "cle", " TRI", "ANGLE", ", ci", "rcle"]
+    assert bench_vision.grounded_mask(decode, [], words) == []
+    assert bench_vision.grounded_mask(decode, [4], frozenset()) == [False]
