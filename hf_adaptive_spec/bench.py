@@ -10,7 +10,13 @@ spreads over all methods:
 - ``plain``: ``target.generate`` greedy, no drafter (the reference output);
 - ``stock_default`` / ``stock_best``: stock transformers assisted generation
   with the drafter's default settings, and with `--stock-best-kwargs`;
-- one method per `--strategies` entry: ``generate(..., spec_strategy=name)``.
+- one method per `--strategies` entry: ``generate(..., spec_strategy=name)``;
+- with `--visual-tokens M ...`, one more `laspec` method per M (``laspec_m8``, ...) whose spec_config sets
+  ``num_visual_tokens`` to M (`hf_adaptive_spec.bench_vision`).
+
+`--datasets scenes` runs held-out scenes (`hf_adaptive_spec.scenes`, image prompts, category ``describe``) on
+a VLM target (``scenes-vlm-135m`` or a local VLM folder); their prompts are encoded by the target's processor,
+and the speculative runs also count accepted drafts among grounded tokens (colours, shapes) and the others.
 
 All runs are greedy with the same `max_new_tokens`, and every output must equal
 the plain output token for token: a mismatch (or an exception) is a failure,
@@ -49,7 +55,9 @@ from typing import Callable, Optional
 
 import torch
 
+from . import bench_vision
 from .ops import cpu_linear
+from .scenes_vlm import SCENES_VLM
 
 __all__ = [
     "DEFAULT_DRAFTER",
@@ -86,9 +94,10 @@ PLOT_FILES = {
     "speedup": "speedup_by_category.png",
     "accepted_lengths": "accepted_lengths.png",
     "sage_alpha": "sage_alpha_vs_accepted.png",
+    "visual_sweep": "visual_tokens_acceptance.png",
 }
 
-ModelLoader = Callable[[str, argparse.Namespace, str], tuple]  # (name, args, role) -> (model, tokenizer)
+ModelLoader = Callable[[str, argparse.Namespace, str], tuple]  # (name, args, role) -> (model, processor)
 PromptLoader = Callable[[str, Optional[int]], list]  # (dataset, limit) -> [Prompt]
 
 
@@ -125,7 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     models = parser.add_argument_group("models")
     models.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"registry name (hf_adaptive_spec.models) or local HF folder (default {DEFAULT_TARGET})")
+                        help=f"registry name (hf_adaptive_spec.models), {SCENES_VLM} or local HF folder "
+                        f"(a VLM when its config has a vision_config) (default {DEFAULT_TARGET})")
     models.add_argument("--drafter", default=DEFAULT_DRAFTER,
                         help=f"registry name, shipped LaSpec drafter name (e.g. laspec-smollm2-135m-instruct) "
                         f"or local HF folder (default {DEFAULT_DRAFTER})")
@@ -136,10 +146,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="compute dtype of both models (default float32; bf16 is slower on CPUs)")
 
     work = parser.add_argument_group("workload")
-    work.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"], choices=list_datasets(),
-                      help="prompt sets (default: humaneval mtbench)")
+    work.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"],
+                      choices=list_datasets() + [bench_vision.SCENES],
+                      help="prompt sets (default: humaneval mtbench; scenes: held-out image prompts for a VLM)")
     work.add_argument("--limit", type=int, default=None,
-                      help="prompts per data set, categories interleaved (default: all)")
+                      help="prompts per data set, categories interleaved (default: all; scenes: "
+                      f"{bench_vision.SCENES_DEFAULT_LIMIT})")
     work.add_argument("--max-new-tokens", type=int, default=128, help="(default 128)")
 
     meth = parser.add_argument_group("methods")
@@ -149,6 +161,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     meth.add_argument("--spec-config", action="append", type=_spec_config_arg, default=[],
                       metavar="STRATEGY=JSON", help='spec_config of a strategy, e.g. sage=\'{"n_max": 12}\' '
                       "(repeatable)")
+    meth.add_argument("--visual-tokens", nargs="+", type=int, default=None, metavar="M",
+                      help="sweep laspec's visual tokens per round: one method laspec_mM per M (e.g. 0 1 2 4 8 16 "
+                      "64), spec_config num_visual_tokens=M over any --spec-config laspec=...; needs laspec in "
+                      "--strategies")
     meth.add_argument("--stock-best-kwargs", type=_json_object, default=dict(DEFAULT_STOCK_BEST), metavar="JSON",
                       help="drafter generation-config settings of the stock_best run "
                       f"(default {json.dumps(DEFAULT_STOCK_BEST)})")
@@ -189,11 +205,14 @@ class Method:
     """One way to generate.
 
     Fields:
-        name: ``"plain"``, ``"stock_default"``, ``"stock_best"`` or a strategy name.
+        name: ``"plain"``, ``"stock_default"``, ``"stock_best"``, a strategy name or a swept variant
+            (``"laspec_m8"``).
         kind: ``"plain"``, ``"stock"`` or ``"spec"``.
         spec_config: the strategy's `spec_config` dict (spec only; None = the strategy's defaults).
         drafter_settings: fields set on the drafter's generation config for the call (stock only).
         resolved: the effective settings, for the report.
+        strategy: the `spec_strategy` a spec method runs (default: `name`).
+        visual_tokens: M of a `--visual-tokens` sweep method, else None.
     """
 
     name: str
@@ -201,6 +220,12 @@ class Method:
     spec_config: Optional[dict] = None
     drafter_settings: Optional[dict] = None
     resolved: dict = field(default_factory=dict)
+    strategy: Optional[str] = None
+    visual_tokens: Optional[int] = None
+
+    def __post_init__(self):
+        if self.strategy is None:
+            self.strategy = self.name
 
 
 @dataclass
@@ -214,10 +239,11 @@ class GenerationRun:
 
 
 def build_methods(args, device: torch.device, drafter=None) -> list:
-    """The methods to run, in their base order: plain, stock_default, stock_best, then the strategies.
+    """The methods to run, in their base order: plain, stock_default, stock_best, the strategies, then the
+    `--visual-tokens` sweep (one laspec method per M).
 
     Raises `ValueError` for an unknown strategy, a `--spec-config` of a strategy that is not run, an invalid
-    config, or a stock setting that is not a `GenerationConfig` field.
+    config, a stock setting that is not a `GenerationConfig` field, or a sweep without laspec.
     """
     from transformers import GenerationConfig
 
@@ -245,13 +271,17 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
         methods.append(Method(STOCK_DEFAULT, "stock", drafter_settings={}, resolved=base))
         methods.append(Method(STOCK_BEST, "stock", drafter_settings=dict(args.stock_best_kwargs),
                               resolved={**base, **args.stock_best_kwargs}))
-    for name in strategies:
-        config = spec_configs.get(name)
+    spec = [(name, name, None, spec_configs.get(name)) for name in strategies]  # (name, strategy, M, config)
+    if getattr(args, "visual_tokens", None):
+        spec += [(name, bench_vision.SWEPT_STRATEGY, count, config) for name, count, config in
+                 bench_vision.sweep_methods(args.visual_tokens, strategies, spec_configs.get("laspec"))]
+    for name, strategy, count, config in spec:
         try:
-            resolved = resolve_config(name, config, device)
+            resolved = resolve_config(strategy, config, device)
         except TypeError as exc:  # unknown field names
-            raise ValueError(f"--spec-config {name}: {exc}") from exc
-        methods.append(Method(name, "spec", spec_config=config, resolved=_jsonable(dataclasses.asdict(resolved))))
+            raise ValueError(f"--spec-config {strategy}: {exc}") from exc
+        methods.append(Method(name, "spec", spec_config=config, resolved=_jsonable(dataclasses.asdict(resolved)),
+                              strategy=strategy, visual_tokens=count))
     return methods
 
 
@@ -344,7 +374,7 @@ def run_method(method: Method, target, drafter, inputs: dict, max_new_tokens: in
         for key, value in (method.drafter_settings or {}).items():
             setattr(drafter.generation_config, key, value)
     elif method.kind == "spec":
-        kwargs.update(assistant_model=drafter, spec_strategy=method.name)
+        kwargs.update(assistant_model=drafter, spec_strategy=method.strategy)
         if method.spec_config is not None:
             kwargs["spec_config"] = dict(method.spec_config)
     elif method.kind != "plain":
@@ -374,23 +404,37 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def load_model(name: str, args, role: str) -> tuple:
-    """`(model, tokenizer)` from a registry name (`hf_adaptive_spec.models`) or a local HF folder, in eval mode
-    on `args.device` with `args.dtype`."""
+    """`(model, processor)` from a registry name (`hf_adaptive_spec.models`), ``scenes-vlm-135m`` or a local HF
+    folder, in eval mode on `args.device` with `args.dtype`.
+
+    A folder whose config has a ``vision_config`` loads as a VLM (``AutoModelForImageTextToText`` and
+    ``AutoProcessor``); text models load with their tokenizer (`bench_vision.text_tokenizer` gives the
+    tokenizer of either).
+    """
     from . import models
 
     dtype = getattr(torch, args.dtype)
     path = Path(name).expanduser()
-    if path.is_dir():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not path.is_dir() and name == SCENES_VLM:
+        from .scenes_vlm import fetch_scenes_vlm
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        path = fetch_scenes_vlm(progress=not getattr(args, "no_progress", False))
+    if path.is_dir():
+        from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
+                                  AutoTokenizer)
+
+        if hasattr(AutoConfig.from_pretrained(str(path)), "vision_config"):
+            model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
+            processor = AutoProcessor.from_pretrained(str(path))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+            processor = AutoTokenizer.from_pretrained(str(path))
     elif name in models.REGISTRY:
-        model, tokenizer = models.load(name, dtype=dtype)
+        model, processor = models.load(name, dtype=dtype)
     else:
         raise ValueError(f"--{role} {name!r} is neither a local folder nor a registered model "
-                         f"({', '.join(models.list_models())}).")
-    return model.to(_resolve_device(args.device)).eval(), tokenizer
+                         f"({', '.join(models.list_models() + [SCENES_VLM])}).")
+    return model.to(_resolve_device(args.device)).eval(), processor
 
 
 def _quantize_int8(model):
@@ -401,16 +445,22 @@ def _quantize_int8(model):
 
 
 def _default_prompt_loader(dataset: str, limit: Optional[int]) -> list:
+    if dataset == bench_vision.SCENES:
+        return bench_vision.scene_prompts(limit)
     from .data import load_prompts
 
     return load_prompts(dataset, limit=limit)
 
 
-def encode_prompt(tokenizer, messages: list, device) -> dict:
+def encode_prompt(processor, messages: list, device, image=None, dtype=None) -> dict:
     """`{"input_ids", "attention_mask"}` `(1, T)` of the chat template with the generation prompt.
 
-    A tokenizer without a chat template gets the last message's text.
+    A tokenizer without a chat template gets the last message's text. With an `image`, `processor` is a VLM's
+    processor and every input it makes is returned (pixel values in `dtype`: `bench_vision.encode_image_prompt`).
     """
+    if image is not None:
+        return bench_vision.encode_image_prompt(processor, messages, image, device, dtype)
+    tokenizer = bench_vision.text_tokenizer(processor)
     if getattr(tokenizer, "chat_template", None):
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True)
@@ -454,6 +504,8 @@ def _prelude(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
 
 def plan_cold(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
     """`(strategies, {strategy: spec_config}, first prompt)` for `cold.run_cold`, with the bench's checks."""
+    if getattr(args, "visual_tokens", None):
+        raise ValueError("--cold times one first call per strategy; --visual-tokens sweeps are for the warm bench.")
     device, _, prompts = _prelude(args, prompt_loader)
     spec = [method for method in build_methods(args, device) if method.kind == "spec"]
     return [method.name for method in spec], {method.name: method.spec_config for method in spec}, prompts[0]
@@ -464,8 +516,10 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
 
     Args:
         args: the parsed options.
-        model_loader: `(name, args, role) -> (model, tokenizer)`, role "target" or "drafter" (default `load_model`).
-        prompt_loader: `(dataset, limit) -> [Prompt]` (default `hf_adaptive_spec.data.load_prompts`).
+        model_loader: `(name, args, role) -> (model, processor or tokenizer)`, role "target" or "drafter"
+            (default `load_model`).
+        prompt_loader: `(dataset, limit) -> [Prompt]` (default `hf_adaptive_spec.data.load_prompts`; scenes:
+            `bench_vision.scene_prompts`).
 
     Returns:
         The results dict also written to ``results.json``; ``results["exit_code"]`` is 0 when every run
@@ -480,7 +534,8 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
     model_loader = model_loader or load_model
 
     load_start = time.perf_counter()
-    target, tokenizer = model_loader(args.target, args, "target")
+    target, processor = model_loader(args.target, args, "target")
+    tokenizer = bench_vision.text_tokenizer(processor)
     if laspec:  # a LaSpec drafter runs on the target's own states, embedding and LM head
         from .drafters.hub import load_drafter
 
@@ -494,7 +549,8 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
     pad_token_id = getattr(tokenizer, "pad_token_id", None)
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "eos_token_id", None)
-    encoded = [encode_prompt(tokenizer, prompt.messages, target.device) for prompt in prompts]
+    encoded = [encode_prompt(processor, prompt.messages, target.device, getattr(prompt, "image", None), target.dtype)
+               for prompt in prompts]
 
     bar = tqdm(total=len(methods) * (args.warmup + len(prompts)), desc="bench", unit="run",
                disable=args.no_progress, dynamic_ncols=True)
@@ -540,14 +596,18 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
             "load_seconds": load_seconds,
         },
         "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
-                     "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit},
-        "methods": {m.name: {"kind": m.kind, "spec_config": m.spec_config, "drafter_settings": m.drafter_settings,
-                             "resolved": _jsonable(m.resolved)} for m in methods},
+                     "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit,
+                     "visual_tokens": getattr(args, "visual_tokens", None)},
+        "methods": {m.name: {"kind": m.kind, "strategy": m.strategy if m.kind == "spec" else None,
+                             "visual_tokens": m.visual_tokens, "spec_config": m.spec_config,
+                             "drafter_settings": m.drafter_settings, "resolved": _jsonable(m.resolved)}
+                    for m in methods},
         "prompts": [{"id": p.id, "dataset": p.dataset, "category": p.category} for p in prompts],
         "records": records,
         "warmup_errors": warmup_errors,
     }
     results["aggregates"] = aggregate(records, [m.name for m in methods])
+    results["visual_sweep"] = bench_vision.sweep_rows(results["methods"], results["aggregates"]["overall"], records)
     results["failures"] = _failures(records)
     results["ok"] = not results["failures"]["count"]
     results["exit_code"] = 0 if results["ok"] else 1
@@ -600,6 +660,8 @@ def _record(prompt, inputs, method, result, error, reference, position, tokenize
         alphas = getattr(stats, "sage_alphas", None)
         if alphas:
             record["sage_alphas"] = [float(x) for x in alphas]
+        if prompt.dataset == bench_vision.SCENES:
+            record.update(_grounded(tokenizer, result.tokens, record["accepted_lengths"]))
     else:  # plain (1 token per forward) and stock (no prefill: every forward verifies)
         record["tau_num"], record["tau_den"] = new_tokens, result.target_forwards
     if method.kind == "plain":
@@ -614,6 +676,20 @@ def _record(prompt, inputs, method, result, error, reference, position, tokenize
             record["tokens"] = result.tokens
             record["text"] = _decode(tokenizer, result.tokens)
     return record
+
+
+def _grounded(tokenizer, tokens: list, accepted_lengths: list) -> dict:
+    """``{"grounded": {tokens, accepted}, "other": {...}}`` of a batch-1 speculative run of a scene prompt
+    (`bench_vision`), or ``{"grounded_error": reason}`` when its tokens cannot be attributed."""
+    from .scenes import grounded_words
+
+    try:
+        accepted = bench_vision.accepted_mask(len(tokens), accepted_lengths)
+        grounded = bench_vision.grounded_mask(
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=False), tokens, grounded_words())
+        return bench_vision.grounded_counts(accepted, grounded)
+    except Exception as exc:  # the accounting must never lose the measurements
+        return {"grounded_error": _describe(exc)}
 
 
 def _decode(tokenizer, tokens: list) -> Optional[str]:
@@ -699,6 +775,9 @@ def _summarize(records: list, method_names: list) -> dict:
             if total_time:
                 split["other"] = max(0.0, 1.0 - sum(split.values()))
             summary["time_split"] = split
+        pooled = bench_vision.pool_grounded(timed)
+        if pooled is not None:
+            summary["grounded_acceptance"] = pooled
         out[name] = summary
     return out
 
@@ -707,7 +786,8 @@ def aggregate(records: list, method_names: list) -> dict:
     """Pooled metrics per method: ``{"overall": {...}, "datasets": {ds: {...}}, "categories": {ds: {cat: {...}}}}``.
 
     Each leaf maps method -> prompts, failures, tokens_per_s, tau, speedup_vs_{plain,stock_default,stock_best}
-    (+ ``_geomean``), and for speculative methods acceptance_rate and time_split (fractions of `time_total`).
+    (+ ``_geomean``), and for speculative methods acceptance_rate and time_split (fractions of `time_total`);
+    on scene prompts also grounded_acceptance: ``{"grounded" | "other": {tokens, accepted, acceptance}}``.
     """
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
     out = {"overall": _summarize(records, method_names), "datasets": {}, "categories": {}}
@@ -884,6 +964,18 @@ def write_markdown(results: dict, path: Path) -> None:
         if len(agg["categories"][dataset]) > 1:
             lines += [f"### {dataset}: speedup over plain per category", ""]
             lines += _category_table(agg["categories"][dataset], methods) + [""]
+        grounded = bench_vision.grounded_table(group)
+        if grounded:
+            lines += [f"### {dataset}: grounded tokens (colours, shapes) vs the others", "",
+                      "Tokens of the speculative runs by class; accepted: drafted and accepted (the rest the target "
+                      "made: prefill, bonus and correction tokens); share: accepted / tokens.", ""]
+            lines += grounded + [""]
+    if results.get("visual_sweep"):
+        lines += ["## Visual-token sweep (laspec)", "",
+                  "M visual tokens selected per round for the drafter. tau and speedup over plain on every data "
+                  "set; grounded / other: acceptance share on scene prompts; selection: visual-token selection "
+                  "time per round and as a share of the run's time.", ""]
+        lines += bench_vision.sweep_table(results["visual_sweep"]) + [""]
     plots = results.get("plots", {})
     if plots.get("files"):
         lines += ["## Plots", ""] + [f"![{name}]({file})" for name, file in plots["files"].items()] + [""]
@@ -931,8 +1023,11 @@ def write_plots(results: dict, out_dir: Path) -> dict:
         return {"files": {}, "skipped": ["matplotlib is not installed (pip install 'hf_adaptive_spec[bench]')"]}
     files, skipped = {}, []
     records = results["records"]
-    for kind, plot in (("speedup", _plot_speedup), ("accepted_lengths", _plot_accepted_lengths),
-                       ("sage_alpha", _plot_sage_alpha)):
+    plots = [("speedup", _plot_speedup), ("accepted_lengths", _plot_accepted_lengths),
+             ("sage_alpha", _plot_sage_alpha)]
+    if results.get("visual_sweep"):  # only when a sweep ran
+        plots.append(("visual_sweep", _plot_visual_sweep))
+    for kind, plot in plots:
         try:
             fig = plot(results, records)
         except Exception as exc:  # a plot must never lose the measurements
@@ -995,6 +1090,12 @@ def _plot_accepted_lengths(results, records):
             ax.set_ylabel("fraction of rounds")
     fig.tight_layout()
     return fig
+
+
+def _plot_visual_sweep(results, records):
+    models = results["models"]
+    title = f"laspec: acceptance against M\n{Path(models['target']).name} + {Path(models['drafter']).name}"
+    return bench_vision.plot_visual_sweep(results["visual_sweep"], _figure, title)
 
 
 def _plot_sage_alpha(results, records):

