@@ -22,7 +22,7 @@ from .compat import cache_from_kwargs, check_cache, check_model, check_pair
 from .cost import CostModel, DraftPricing, shared_calibration, verifier_cost_profile
 from .drafters.block import BlockDrafter
 from .drafters.independent import IndependentDrafter
-from .drafters.laspec import LaSpecDrafterModel
+from .drafters.laspec import LaSpecDrafterModel, draft_head_cache
 from .final_cache import CACHE_FIELD, returned_cache
 from .ops import cpu_linear
 from .placement import execution_device, tensor_parallel
@@ -228,6 +228,8 @@ def _speculative_decode(
                                lookup_tokens=getattr(config, "lookup_tokens", None),
                                datastore=_drafter_datastore(assistant_model, config),
                                datastore_tokens=getattr(config, "datastore_tokens", None))
+        after_prefill.callback(drafter.release)
+        after_prefill.enter_context(draft_head_cache())
     with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext(), \
             _prefill_positions(model) as used_positions:
         outputs = model._prefill(input_ids, generation_config, prefill_kwargs)

@@ -44,6 +44,8 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -396,6 +398,22 @@ class LaSpecDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+
+# the draft vocabulary's LM-head rows (and their bf16 copy) of each drafter, for one decoding call
+_DRAFT_HEADS = contextvars.ContextVar("hf_adaptive_spec_draft_heads", default=None)
+
+
+@contextlib.contextmanager
+def draft_head_cache():
+    """Inside the block, `draft_vocab_logits` gathers the draft vocabulary's LM-head rows once per drafter
+    (again if the head changes) instead of on every call; the rows are dropped with the block, never kept on
+    the drafter."""
+    token = _DRAFT_HEADS.set({})
+    try:
+        yield
+    finally:
+        _DRAFT_HEADS.reset(token)
+
 @dataclass
 class ContextKV:
     """The context's keys (post-RoPE) and values in every drafter layer, `(B, H_kv, C, D)` each.
@@ -486,7 +504,6 @@ class LaSpecDrafterModel(PreTrainedModel):
         self.register_buffer("draft_vocab", vocab)  # None: the full vocabulary (a None buffer is not saved)
         # the target's (embedding, lm_head): plain references, never sub-modules (not saved, not moved)
         self.__dict__["_target_modules"] = None
-        self.__dict__["_draft_head"] = None  # (key, weight rows of draft_vocab), rebuilt when either changes
         self.__dict__["datastore"] = None  # TokenDatastore or None: saved beside the weights (`datastore.safetensors`)
         self.post_init()
 
@@ -622,7 +639,6 @@ class LaSpecDrafterModel(PreTrainedModel):
     def set_draft_vocabulary(self, token_ids) -> LaSpecDrafterModel:
         """Draft over `token_ids` only (e.g. the target's most frequent tokens, [`~hf_adaptive_spec.training.data.
         frequent_tokens`]); `None` restores the full vocabulary. Saved with the model (`draft_vocab` buffer)."""
-        self.__dict__["_draft_head"] = None
         if token_ids is not None:
             token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
             if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
@@ -653,12 +669,14 @@ class LaSpecDrafterModel(PreTrainedModel):
             return logits[..., self.draft_vocab.to(logits.device)]
         weight = lm_head.weight
         key = (weight.data_ptr(), weight.device, weight.dtype, tensor_version(weight), self.draft_vocab.data_ptr())
-        cached = self.__dict__.get("_draft_head")
+        holder = _DRAFT_HEADS.get()  # inside `draft_head_cache` (a decoding call): id(self) -> cached rows
+        cached = None if holder is None else holder.get(id(self))
         if cached is None or cached[0] != key:
             rows = weight.detach()[self.draft_vocab]
             bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()[self.draft_vocab]
             cached = (key, rows, bias, {})  # {}: the bf16 copy the decoding loop's CPU kernel may read
-            self.__dict__["_draft_head"] = cached
+            if holder is not None:
+                holder[id(self)] = cached
         _, rows, bias, compact = cached
         # F.linear outside the decoding loop; inside it on a CPU, the small-batch kernel over a bf16 copy
         return cpu_linear.compact_linear(hidden.to(rows.dtype), rows, bias, compact, self)

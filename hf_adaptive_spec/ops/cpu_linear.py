@@ -66,7 +66,10 @@ _ACTIVE = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels_active", default=
 _ACTIVE_MODELS = contextvars.ContextVar("hf_adaptive_spec_cpu_kernels_models", default=frozenset())
 _COMPACT = contextvars.ContextVar("hf_adaptive_spec_cpu_compact_weights", default=True)
 _COMPACT_MODELS = contextvars.ContextVar("hf_adaptive_spec_cpu_compact_models", default=frozenset())
-_COMPACT_KEY = "_hf_adaptive_spec_bf16_weight"  # where a layer (or a holder dict) keeps its bf16 copy
+_COMPACT_KEY = "bf16_weight"  # where a holder dict keeps its bf16 copy
+# the bf16 copies of the compact layers of this context's `fast_linears` block: id(layer) -> holder dict; made
+# on first use inside the block and dropped with it, never stored on the layers
+_COMPACT_COPIES = contextvars.ContextVar("hf_adaptive_spec_cpu_compact_copies", default=None)
 
 
 def _mode() -> str:
@@ -261,15 +264,15 @@ def compact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def _routed_forward(module: nn.Linear, kernel_linear, most_rows: int, owner: int):
     """`module.forward` while some `fast_linears` block holds it: the compiled dispatcher (checks and fallback in
     C++) in a context inside such a block, for the layers of its models (a `compact` model's layers read their
-    bf16 copy, kept in the module's `__dict__`, for 1..most_rows rows); `nn.Linear.forward` anywhere else, so
-    another thread running the same model is bitwise stock."""
+    bf16 copy, held by the block, for 1..most_rows rows); `nn.Linear.forward` anywhere else, so another thread
+    running the same model is bitwise stock."""
 
     def forward(input):
         if owner not in _ACTIVE_MODELS.get():
             return nn.Linear.forward(module, input)
         if owner in _COMPACT_MODELS.get():
-            return kernel_linear(input, module.weight, module.bias, 1, most_rows,
-                                 _compact_copy(module.weight, module.__dict__))
+            holder = _COMPACT_COPIES.get().setdefault(id(module), {})
+            return kernel_linear(input, module.weight, module.bias, 1, most_rows, _compact_copy(module.weight, holder))
         return kernel_linear(input, module.weight, module.bias, MIN_ROWS, most_rows)
 
     return forward
@@ -318,11 +321,12 @@ def fast_linears(*models, compact=()):
                     _ROUTED[id(module)] = [module.forward, 1]
                     held.append(module)
         tokens = (_ACTIVE.set(True), _ACTIVE_MODELS.set(_ACTIVE_MODELS.get() | frozenset(owners)),
-                  _COMPACT_MODELS.set(frozenset(compact_ids)))
+                  _COMPACT_MODELS.set(frozenset(compact_ids)), _COMPACT_COPIES.set({}))
         try:
             yield True
         finally:
-            for variable, token in zip((_ACTIVE, _ACTIVE_MODELS, _COMPACT_MODELS)[::-1], tokens[::-1]):
+            for variable, token in zip((_ACTIVE, _ACTIVE_MODELS, _COMPACT_MODELS, _COMPACT_COPIES)[::-1],
+                                       tokens[::-1]):
                 variable.reset(token)
     finally:
         with _ROUTED_LOCK:
