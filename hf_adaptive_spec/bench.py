@@ -182,6 +182,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "compiled kernel): first speculative call vs plain, third vs warmed (hf_adaptive_spec.cold)")
     runs.add_argument("--cold-keep-kernel", action="store_true",
                       help="with --cold: keep the machine's compiled CPU kernel (only the cost curve is fresh)")
+
+    load = parser.add_argument_group("load (hf_adaptive_spec.bench_load: batched prompts instead of one at a time)")
+    load.add_argument("--load-sweep", nargs="+", type=int, default=None, metavar="B",
+                      help="concurrency sweep: at each level B the first B prompts decode as one left-padded batch, "
+                      "plain vs fixed chains and trees vs the adaptive rules of --strategies (default laspec and "
+                      "sage with a LaSpec drafter, else sage), e.g. 1 2 4 8 16 32")
+    load.add_argument("--arrivals", choices=("poisson", "bursty"), default=None,
+                      help="replay timed request arrivals through a batching scheduler (plain vs a chain vs the "
+                      "adaptive rules): mean and p90 latency, throughput")
+    load.add_argument("--rate", type=float, default=1.0, help="with --arrivals: mean requests per second (default 1)")
+    load.add_argument("--requests", type=int, default=32, help="with --arrivals: requests in the trace (default 32)")
+    load.add_argument("--max-batch", type=int, default=8, help="with --arrivals: most requests per batch (default 8)")
     return parser
 
 
@@ -530,6 +542,9 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
     started = _now()
     if getattr(args, "cold", False):
         raise ValueError("--cold runs through `hf-adaptive-spec bench --cold` (hf_adaptive_spec.cold.run_cold).")
+    if getattr(args, "load_sweep", None) or getattr(args, "arrivals", None):
+        raise ValueError("--load-sweep / --arrivals run through `hf-adaptive-spec bench` "
+                         "(hf_adaptive_spec.bench_load.run_load).")
     device, laspec, prompts = _prelude(args, prompt_loader)
     model_loader = model_loader or load_model
 

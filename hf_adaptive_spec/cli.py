@@ -132,6 +132,10 @@ def cmd_prepare(args) -> int:
 def _bench(args) -> int:
     from . import bench, cold
 
+    if args.load_sweep or args.arrivals:  # batched load modes (they refuse --cold)
+        from . import bench_load
+
+        return bench_load.run_load(args)["exit_code"]
     if args.cold:
         return cold.run_cold(args, *bench.plan_cold(args))["exit_code"]
     return bench.run(args)["exit_code"]
