@@ -1,121 +1,79 @@
-"""Tree speculative decoding on a vision-language model with an image: speculative output == plain output.
+"""Speculative decoding on a trained vision-language model, with a held-out image: output == plain greedy.
 
-RANDOM WEIGHTS: no trained VLM can be downloaded on these offline machines, so the target is a tiny
-Qwen2-VL built from a config with random weights, and its output is meaningless token ids. What this
-example shows is the plumbing: the image goes through `generate` as usual (`pixel_values`,
-`image_grid_thw`), the drafter also sees it, and `spec_strategy="sage"` returns exactly the plain greedy
-tokens. With a real checkpoint the calls are the same:
+The target is `scenes-vlm-135m`: the real SmolLM2-135M-Instruct with a vision tower and projector this library
+trained (`hf-adaptive-spec train-vlm`) on scenes of four coloured shapes (`hf_adaptive_spec.scenes`, from the
+`easy-vqa` package). It is assembled offline from the registry's SmolLM2 and the shipped tower on first use.
+The scene shown here is built from easy-vqa's TEST images, which training never saw.
 
-    target = Qwen2VLForConditionalGeneration.from_pretrained(...)   # + AutoProcessor for the inputs
-    out = target.generate(**inputs, assistant_model=drafter, spec_strategy="sage", return_dict_in_generate=True)
+Three drafters, each on the same image:
+  * `laspec`: the shipped LaSpec block drafter, reading the target's own states and the few image tokens the
+    target attends to each round;
+  * `sage` with an image-aware independent drafter: the VLM itself with int8 weights (sees the image);
+  * `sage` with an image-blind drafter: the text SmolLM2, int8 (same vocabulary; never sees the image).
 
-The drafter here is the target cut down to its first two of four decoder layers (same embeddings, vision
-tower and head): a layer-skipping drafter that agrees with the target often enough to show accepted drafts.
-
-    python examples/vlm_with_image.py
+    python examples/vlm_with_image.py [--scene 3]
 """
 
 import argparse
+import time
 
 import torch
-from transformers import (GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLTextConfig,
-                          Qwen2VLVisionConfig)
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
-import hf_adaptive_spec  # noqa: F401  (adds spec_strategy to generate)
-
-PAD, BOS, EOS, IMAGE, VIDEO, VISION_START, VISION_END = range(7)
-VOCAB = 256
-PATCH, TEMPORAL_PATCH, MERGE = 4, 2, 2
-
-
-def build_qwen2_vl(num_layers: int, seed: int = 0) -> Qwen2VLForConditionalGeneration:
-    """A random tiny Qwen2-VL (text width 64, `num_layers` decoder layers, a 1-block vision tower)."""
-    text = Qwen2VLTextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False,
-    )
-    vision = Qwen2VLVisionConfig(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, in_channels=3,
-                                 patch_size=PATCH, temporal_patch_size=TEMPORAL_PATCH, spatial_merge_size=MERGE,
-                                 initializer_range=0.3)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
-                           vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
-                           tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    model.generation_config = GenerationConfig(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
-    return model.eval()
-
-
-def truncated_drafter(target, num_layers: int = 2) -> Qwen2VLForConditionalGeneration:
-    """The target keeping only its first `num_layers` decoder layers; all other weights copied by value."""
-    drafter = build_qwen2_vl(num_layers=num_layers, seed=1)
-    missing, _unused = drafter.load_state_dict(target.state_dict(), strict=False)  # deeper layers are dropped
-    assert not missing, missing
-    return drafter.eval()
-
-
-def patchify(image: torch.Tensor):
-    """`(3, H, W)` image in [0, 1] -> Qwen2-VL `pixel_values` `(h*w patches, 3*2*4*4)` and `image_grid_thw`.
-
-    The same layout as `Qwen2VLImageProcessor`: the frame repeated over the temporal patch, patches grouped
-    by 2x2 merge windows.
-    """
-    channels, height, width = image.shape
-    grid_h, grid_w = height // PATCH, width // PATCH
-    frames = ((image - 0.5) / 0.5)[None].repeat(TEMPORAL_PATCH, 1, 1, 1)  # (T, C, H, W)
-    x = frames.reshape(1, TEMPORAL_PATCH, channels, grid_h // MERGE, MERGE, PATCH, grid_w // MERGE, MERGE, PATCH)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, h/m, w/m, m, m, C, T, p, p)
-    pixel_values = x.reshape(grid_h * grid_w, channels * TEMPORAL_PATCH * PATCH * PATCH)
-    return pixel_values, torch.tensor([[1, grid_h, grid_w]])
-
-
-def make_inputs(image: torch.Tensor) -> dict:
-    """"<bos> describe <vision_start> <image>*n <vision_end> please" as ids (n = patches / 4)."""
-    pixel_values, grid_thw = patchify(image)
-    num_image_tokens = int(grid_thw.prod()) // MERGE**2
-    ids = [BOS, 40, 41, VISION_START] + [IMAGE] * num_image_tokens + [VISION_END, 42, 43, 44]
-    input_ids = torch.tensor([ids])
-    return {
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "mm_token_type_ids": (input_ids == IMAGE).long(),
-        "pixel_values": pixel_values,
-        "image_grid_thw": grid_thw,
-    }
+import hf_adaptive_spec
+from hf_adaptive_spec.drafters.hub import load_drafter
+from hf_adaptive_spec.models import fetch
+from hf_adaptive_spec.scenes import DESCRIBE_REQUEST, make_scenes, scene_messages
+from hf_adaptive_spec.scenes_vlm import fetch_scenes_vlm
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--scene", type=int, default=0, help="index of the held-out scene")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--save-image", default=None, help="write the scene's image to this PNG file")
     args = parser.parse_args()
 
-    target = build_qwen2_vl(num_layers=4)
-    drafter = truncated_drafter(target, num_layers=2)
-    # a 16x24 synthetic RGB "photo": horizontal red ramp, vertical green ramp, a blue square
-    image = torch.zeros(3, 16, 24)
-    image[0] = torch.linspace(0, 1, 24)[None, :]
-    image[1] = torch.linspace(0, 1, 16)[:, None]
-    image[2, 4:12, 8:16] = 1.0
-    inputs = make_inputs(image)
-    grid = inputs["image_grid_thw"][0].tolist()
-    print(f"prompt: {inputs['input_ids'].shape[1]} tokens, image grid (t, h, w) = {grid}")
+    path = fetch_scenes_vlm()
+    target = AutoModelForImageTextToText.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    scene = make_scenes("test", 1, start=args.scene)[0]
+    if args.save_image:
+        scene.image.save(args.save_image)
+    prompt = processor.apply_chat_template(scene_messages(DESCRIBE_REQUEST), add_generation_prompt=True,
+                                           tokenize=False)
+    inputs = processor(text=[prompt], images=[scene.image], return_tensors="pt")
+    print(f"scene {scene.id}: {inputs['input_ids'].shape[1]} prompt tokens, 64 of them image tokens")
+    print(f"truth : {scene.description}")
 
-    plain = target.generate(**inputs, do_sample=False, max_new_tokens=args.max_new_tokens)
-    out = target.generate(**inputs, do_sample=False, max_new_tokens=args.max_new_tokens, assistant_model=drafter,
-                          spec_strategy="sage", return_dict_in_generate=True)
+    def timed(**kwargs):
+        start = time.perf_counter()
+        out = target.generate(**inputs, do_sample=False, max_new_tokens=args.max_new_tokens,
+                              return_dict_in_generate=True, **kwargs)
+        return out, time.perf_counter() - start
+
+    timed()  # warm-up
+    plain, plain_seconds = timed()
     prompt_length = inputs["input_ids"].shape[1]
-    print("plain greedy :", plain[0, prompt_length:].tolist())
-    print("sage         :", out.sequences[0, prompt_length:].tolist())
-    same = torch.equal(out.sequences, plain)
-    print("identical    :", same)
-    stats = out.spec_stats
-    print(f"rounds {stats.rounds}, tau {stats.mean_accepted_length:.2f}, accepted {stats.accepted_tokens}"
-          f"/{stats.drafted_tokens} drafted, accepted per round {stats.accepted_lengths}")
-    print({k: round(v, 4) if isinstance(v, float) else v for k, v in stats.to_dict().items()})
-    if not same:
-        raise SystemExit("speculative output differs from plain greedy")
+    print(f"said  : {processor.decode(plain.sequences[0, prompt_length:], skip_special_tokens=True)}")
+    print(f"plain greedy: {plain_seconds:.2f}s")
+
+    drafters = {
+        "laspec (LaSpec drafter)": ("laspec", load_drafter("laspec-scenes-vlm-135m", target)),
+        "sage, image-aware drafter (the VLM, int8)": ("sage", hf_adaptive_spec.quantize_drafter(target)),
+        "sage, image-blind drafter (text SmolLM2, int8)": (
+            "sage", hf_adaptive_spec.quantize_drafter(
+                AutoModelForCausalLM.from_pretrained(fetch("smollm2-135m-instruct")).eval())),
+    }
+    for label, (strategy, drafter) in drafters.items():
+        timed(assistant_model=drafter, spec_strategy=strategy)  # warm-up: the cost curve, first-use costs
+        out, seconds = timed(assistant_model=drafter, spec_strategy=strategy)
+        same = torch.equal(out.sequences, plain.sequences)
+        stats = out.spec_stats
+        print(f"{label}: {seconds:.2f}s ({plain_seconds / seconds:.2f}x), tau {stats.mean_accepted_length:.2f}, "
+              f"identical to plain: {same}")
+        if not same:
+            raise SystemExit("speculative output differs from plain greedy")
 
 
 if __name__ == "__main__":

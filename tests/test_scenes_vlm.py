@@ -165,15 +165,15 @@ def test_tiny_train_vlm_lowers_the_loss_and_resumes(tiny_language_model, easy_vq
 
     language_before = {k: v.clone() for k, v in model.model.language_model.state_dict().items()}
     before = lm_loss()
-    config = VLMTrainConfig(tower_steps=4, tower_batch=8, tower_lr=3e-3, lm_steps=8, lm_batch=4, lm_lr=1e-2,
-                            lm_tower_lr=1e-3, bf16=False, eval_scenes=0, checkpoint_every=6)
+    config = VLMTrainConfig(tower_steps=4, tower_batch=8, tower_lr=3e-3, align_steps=3, align_batch=8, lm_steps=8,
+                            lm_batch=4, lm_lr=1e-2, lm_tower_lr=1e-3, bf16=False, eval_scenes=0, checkpoint_every=6)
     result = train_scenes_vlm(model, processor, config, out_dir=tmp_path, progress=False, log=lambda *_: None)
-    assert [h["stage"] for h in result["history"]] == ["tower"] * 4 + ["lm"] * 8
+    assert [h["stage"] for h in result["history"]] == ["tower"] * 4 + ["align"] * 3 + ["lm"] * 8
     assert lm_loss() < before
     # the language model is frozen: only the vision tower and the projector changed
     for key, value in model.model.language_model.state_dict().items():
         assert torch.equal(value, language_before[key]), key
-    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-15", "checkpoint-6"]
 
     # resume: a longer run continues after the latest checkpoint instead of starting over
     resumed, _ = build_scenes_vlm(tiny_language_model, seed=2)
@@ -181,8 +181,26 @@ def test_tiny_train_vlm_lowers_the_loss_and_resumes(tiny_language_model, easy_vq
     notes = []
     again = train_scenes_vlm(resumed, processor, longer, out_dir=tmp_path, resume=True, progress=False,
                              log=notes.append)
-    assert notes and "step 12" in notes[0]
-    assert [h["step"] for h in again["history"]] == list(range(1, 15))
+    assert notes and "step 15" in notes[0]
+    assert [h["step"] for h in again["history"]] == list(range(1, 18))
+
+
+def test_align_targets_write_each_quadrants_words_in_its_rows_of_patches(tiny_vlm):
+    from hf_adaptive_spec.training.vlm import align_token_ids
+
+    _, processor = tiny_vlm
+    tokenizer = processor.tokenizer
+    scene = make_scenes("test", 1)[0]
+    ids = align_token_ids([scene], tokenizer, grid=8).reshape(8, 8)  # (rows, columns) of patches
+
+    def word(text):
+        return tokenizer(" " + text, add_special_tokens=False)["input_ids"][0]
+
+    (top_left_color, top_left_shape), (_, top_right_shape), (bottom_left_color, _), _ = scene.objects
+    assert ids[0, :4].tolist() == [word("Top"), word("left"), word(top_left_color), word(top_left_shape)]
+    assert ids[3, 4:].tolist()[1:] == [word("right"), ids[3, 6].item(), word(top_right_shape)]
+    assert ids[5, :4].tolist() == [word("Bottom"), word("left"), word(bottom_left_color), ids[5, 3].item()]
+    assert torch.equal(ids[4], ids[7])  # every row of a quadrant carries the same words
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])
@@ -224,3 +242,35 @@ def test_train_drafter_data_spec_scenes_encodes_train_scenes_for_the_target(tiny
         _prompts_by_spec(["scenes[2:]"], processor=processor)
     with pytest.raises(ValueError, match="image processor"):
         _prompts_by_spec(["scenes[:2]"], processor=processor.tokenizer)
+
+
+def test_the_shipped_scenes_vlm_reads_held_out_scenes_and_decodes_exactly(tmp_path_factory, easy_vqa_archive):
+    """The real scenes-vlm-135m (SmolLM2 + the shipped tower, assembled here): its descriptions of held-out
+    scenes depend on the image (a blank image gives other words), and laspec (the shipped drafter), sage with
+    the image-aware int8 VLM and sage with the image-blind int8 SmolLM2 equal plain greedy, batch 1 and 2."""
+    import hf_adaptive_spec
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+    from PIL import Image
+
+    from hf_adaptive_spec.scenes_vlm import fetch_scenes_vlm
+
+    _, language = fetch_real_smollm2(tmp_path_factory)
+    path = fetch_scenes_vlm(cache_dir=tmp_path_factory.mktemp("scenes_vlm"), language_model=language,
+                            progress=False)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    scenes = make_scenes("test", 2, start=8)
+    inputs = _inputs(processor, [s.image for s in scenes])
+    plain = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+    blank = _inputs(processor, [Image.new("RGB", (128, 128), (255, 255, 255))] * 2)
+    assert not torch.equal(model.generate(**blank, max_new_tokens=32, do_sample=False)[:, -32:], plain[:, -32:])
+    drafters = [("laspec", hf_adaptive_spec.load_drafter("laspec-scenes-vlm-135m", model)),
+                ("sage", hf_adaptive_spec.quantize_drafter(model)),
+                ("sage", hf_adaptive_spec.quantize_drafter(AutoModelForCausalLM.from_pretrained(language).eval()))]
+    for strategy, drafter in drafters:
+        for rows in (slice(0, 1), slice(0, 2)):
+            batch = _inputs(processor, [s.image for s in scenes[rows]])
+            expected = plain[rows] if rows.stop == 2 else model.generate(**batch, max_new_tokens=32, do_sample=False)
+            out = model.generate(**batch, max_new_tokens=32, do_sample=False, assistant_model=drafter,
+                                 spec_strategy=strategy)
+            assert torch.equal(out, expected), (strategy, type(drafter).__name__, rows)

@@ -23,6 +23,7 @@ _CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 # name -> (folder inside the package, the registry name of the target it was trained for)
 SHIPPED_DRAFTERS: dict[str, tuple[str, str]] = {
     "laspec-smollm2-135m-instruct": ("laspec-smollm2-135m-instruct", "smollm2-135m-instruct"),
+    "laspec-scenes-vlm-135m": ("laspec-scenes-vlm-135m", "scenes-vlm-135m"),
 }
 
 
