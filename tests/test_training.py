@@ -919,6 +919,7 @@ def test_vlm_examples_reproduce_every_round_of_the_loop(arch, monkeypatch):
     image_tokens = int(example.visual_embeds.shape[0])
     assert image_tokens > 3 and int(example.visual_slots.max()) < image_tokens
     assert len(rounds) >= 3 and rounds[0][0] == prompt_length  # round 1 has visual tokens too (prefill query)
+    drafter.attach_target(target)  # generate attached it for its call only
     context = drafter.encode_context(example.hidden.float()[None])
     for position, expected in rounds:
         depth = expected.shape[0]
