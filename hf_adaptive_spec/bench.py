@@ -1030,30 +1030,38 @@ def _figure(width, height):
     return fig
 
 
-def write_plots(results: dict, out_dir: Path) -> dict:
-    """Write the PNGs; returns ``{"files": {kind: filename}, "skipped": [reasons]}``."""
+def save_figures(makers: list, out_dir: Path, filenames: dict) -> dict:
+    """Run each `(kind, make)` of `makers` (`make()` -> a Figure, or None for no data) and save its PNG under
+    `filenames[kind]`; returns ``{"files": {kind: filename}, "skipped": [reasons]}``. A failing plot is
+    reported, never raised: a plot must never lose the measurements."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return {"files": {}, "skipped": ["matplotlib is not installed (pip install 'hf_adaptive_spec[bench]')"]}
     files, skipped = {}, []
-    records = results["records"]
-    plots = [("speedup", _plot_speedup), ("accepted_lengths", _plot_accepted_lengths),
-             ("sage_alpha", _plot_sage_alpha)]
-    if results.get("visual_sweep"):  # only when a sweep ran
-        plots.append(("visual_sweep", _plot_visual_sweep))
-    for kind, plot in plots:
+    for kind, make in makers:
         try:
-            fig = plot(results, records)
-        except Exception as exc:  # a plot must never lose the measurements
+            fig = make()
+        except Exception as exc:
             skipped.append(f"{kind}: {_describe(exc)}")
             continue
         if fig is None:
             skipped.append(f"{kind}: no data")
             continue
-        fig.savefig(out_dir / PLOT_FILES[kind])
-        files[kind] = PLOT_FILES[kind]
+        fig.savefig(out_dir / filenames[kind])
+        files[kind] = filenames[kind]
     return {"files": files, "skipped": skipped}
+
+
+def write_plots(results: dict, out_dir: Path) -> dict:
+    """Write the PNGs; returns ``{"files": {kind: filename}, "skipped": [reasons]}``."""
+    records = results["records"]
+    plots = [("speedup", _plot_speedup), ("accepted_lengths", _plot_accepted_lengths),
+             ("sage_alpha", _plot_sage_alpha)]
+    if results.get("visual_sweep"):  # only when a sweep ran
+        plots.append(("visual_sweep", _plot_visual_sweep))
+    makers = [(kind, lambda plot=plot: plot(results, records)) for kind, plot in plots]
+    return save_figures(makers, out_dir, PLOT_FILES)
 
 
 def _plot_speedup(results, records):

@@ -1006,23 +1006,9 @@ def arrivals_markdown(results: dict) -> str:
 def write_load_plots(results: dict, out_dir: Path) -> dict:
     """The sweep's PNGs: chosen structure size against load, throughput against load per method; returns
     ``{"files": {kind: filename}, "skipped": [reasons]}``."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return {"files": {}, "skipped": ["matplotlib is not installed (pip install 'hf_adaptive_spec[bench]')"]}
-    files, skipped = {}, []
-    for kind, plot in (("structure", _plot_structure), ("throughput", _plot_throughput)):
-        try:
-            fig = plot(results)
-        except Exception as exc:  # a plot must never lose the measurements
-            skipped.append(f"{kind}: {bench._describe(exc)}")
-            continue
-        if fig is None:
-            skipped.append(f"{kind}: no data")
-            continue
-        fig.savefig(out_dir / PLOT_FILES[kind])
-        files[kind] = PLOT_FILES[kind]
-    return {"files": files, "skipped": skipped}
+    makers = [(kind, lambda plot=plot: plot(results))
+              for kind, plot in (("structure", _plot_structure), ("throughput", _plot_throughput))]
+    return bench.save_figures(makers, out_dir, PLOT_FILES)
 
 
 def _series(results: dict, name: str, key: str) -> tuple:
