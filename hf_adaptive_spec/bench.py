@@ -487,14 +487,19 @@ def encode_prompt(processor, messages: list, device, image=None, dtype=None) -> 
 # ----------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------
-def _prelude(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
-    """Check every option before anything is loaded, set threads and seed; `(device, laspec drafter?, prompts)`."""
+def check_run_options(args) -> None:
+    """The options every bench mode shares: --max-new-tokens, --limit, --warmup."""
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1.")
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be >= 1.")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0.")
+
+
+def _prelude(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
+    """Check every option before anything is loaded, set threads and seed; `(device, laspec drafter?, prompts)`."""
+    check_run_options(args)
     device = _resolve_device(args.device)
     if args.drafter_int8 and device.type != "cpu":
         raise ValueError("--drafter-int8 uses CPU dynamic-quantization kernels; run it with --device cpu.")

@@ -714,12 +714,7 @@ def _prelude(args, prompt_loader) -> tuple:
     if bench_vision.SCENES in args.datasets:
         raise ValueError("--load-sweep / --arrivals batch text prompts; --datasets scenes (image prompts) is not "
                          "supported there.")
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be >= 1.")
-    if args.limit is not None and args.limit < 1:
-        raise ValueError("--limit must be >= 1.")
-    if args.warmup < 0:
-        raise ValueError("--warmup must be >= 0.")
+    bench.check_run_options(args)
     if args.arrivals:
         if not args.rate > 0:
             raise ValueError("--rate must be > 0 requests/s.")
