@@ -22,7 +22,7 @@ from .compat import cache_from_kwargs, check_cache, check_model, check_pair
 from .cost import CostModel, DraftPricing, shared_calibration, verifier_cost_profile
 from .drafters.block import BlockDrafter
 from .drafters.independent import IndependentDrafter
-from .drafters.laspec import LaSpecDrafterModel, draft_head_cache
+from .drafters.laspec import LaSpecDrafterModel, attached_for_call, draft_head_cache
 from .final_cache import CACHE_FIELD, returned_cache
 from .ops import cpu_linear
 from .placement import execution_device, tensor_parallel
@@ -222,13 +222,13 @@ def _speculative_decode(
     prefill_kwargs = {**model_kwargs, "output_hidden_states": True} if block_drafter else model_kwargs
     drafter = None
     if block_drafter:
+        after_prefill.enter_context(attached_for_call(assistant_model, model))  # this call only
         drafter = BlockDrafter(assistant_model, model, block_size=getattr(config, "block_size", None),
                                num_visual_tokens=getattr(config, "num_visual_tokens", None),
                                context_lookup=getattr(config, "context_lookup", 0),
                                lookup_tokens=getattr(config, "lookup_tokens", None),
                                datastore=_drafter_datastore(assistant_model, config),
                                datastore_tokens=getattr(config, "datastore_tokens", None))
-        after_prefill.callback(drafter.release)
         after_prefill.enter_context(draft_head_cache())
     with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext(), \
             _prefill_positions(model) as used_positions:

@@ -22,7 +22,7 @@ FIELDS = ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter
 def pair():
     target = build_model("llama")
     torch.manual_seed(0)
-    drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
+    drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval().attach_target(target)
     return target, drafter
 
 

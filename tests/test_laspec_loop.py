@@ -90,7 +90,7 @@ def test_laspec_with_previous_state_fusion_equals_plain(arch):
 def test_fused_state_follows_each_rows_accepted_path():
     """prefill keeps each row's last prompt state, commit the state of each row's last ACCEPTED node."""
     target = build_model("llama")
-    drafter = _drafter(target, fuse_previous_state=True)
+    drafter = _drafter(target, fuse_previous_state=True).attach_target(target)
     state = block_module.BlockDrafter(drafter, target)
     width, hidden = len(target.model.layers) + 1, target.config.hidden_size
     gen = torch.Generator().manual_seed(0)

@@ -83,9 +83,9 @@ class BlockDrafter:
         if not isinstance(model, LaSpecDrafterModel):
             raise ValueError(f"BlockDrafter needs a LaSpecDrafterModel, got {type(model).__name__}.")
         embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        self._attached_before = model.__dict__.get("_target_modules")  # restored by `release`
         if model.get_input_embeddings() is not embedding or model.get_output_embeddings() is not lm_head:
-            model.attach_target(target)  # for this call only
+            raise ValueError("BlockDrafter: the drafter does not use this target's embedding and LM head; run it "
+                             "inside `attached_for_call(drafter, target)` (the decoding loop does).")
         self.model = model
         self.target = target
         config = model.config
@@ -117,11 +117,6 @@ class BlockDrafter:
         # batch 1, greedy, no processors, a budget strategy: build the tree on the host (same tree, see
         # `host_tree`); False always takes the tensor path (tests compare the two)
         self.host_trees = True
-
-    def release(self) -> None:
-        """At the end of the decoding call: the drafter is attached again to what it was attached to before
-        (nothing, another target, or this one)."""
-        self.model.__dict__["_target_modules"] = self._attached_before
 
     # ---- vision
 

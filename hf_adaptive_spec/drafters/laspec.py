@@ -399,6 +399,23 @@ class LaSpecDecoderLayer(nn.Module):
 
 
 
+# the target modules a drafter uses in this context's decoding call: id(drafter) -> (embedding, lm_head)
+_CALL_TARGETS = contextvars.ContextVar("hf_adaptive_spec_call_targets", default=None)
+
+
+@contextlib.contextmanager
+def attached_for_call(drafter, target):
+    """Inside the block, in this context only, `drafter` uses `target`'s embedding and LM head, whatever it is
+    attached to (nothing, another target): the drafter object itself is never changed, so other threads using
+    it, and the caller after the block, see it as it was."""
+    modules = drafter._checked_target_modules(target)
+    token = _CALL_TARGETS.set({**(_CALL_TARGETS.get() or {}), id(drafter): modules})
+    try:
+        yield drafter
+    finally:
+        _CALL_TARGETS.reset(token)
+
+
 # the draft vocabulary's LM-head rows (and their bf16 copy) of each drafter, for one decoding call
 _DRAFT_HEADS = contextvars.ContextVar("hf_adaptive_spec_draft_heads", default=None)
 
@@ -575,6 +592,11 @@ class LaSpecDrafterModel(PreTrainedModel):
         Returns:
             `self`, for chaining.
         """
+        self.__dict__["_target_modules"] = self._checked_target_modules(target)
+        return self
+
+    def _checked_target_modules(self, target) -> tuple:
+        """`(embedding, lm_head)` of `target`, checked against this drafter's config."""
         embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         if embedding is None or lm_head is None:
             raise ValueError("attach_target needs a target with both input embeddings and an LM head.")
@@ -588,19 +610,26 @@ class LaSpecDrafterModel(PreTrainedModel):
                 f"The target's LM head has {lm_head.weight.shape[0]} outputs but config.vocab_size="
                 f"{self.config.vocab_size}."
             )
-        self.__dict__["_target_modules"] = (embedding, lm_head)
-        return self
+        return embedding, lm_head
 
     def detach_target(self) -> None:
         """Drop the references to the target's modules."""
         self.__dict__["_target_modules"] = None
 
+    def _target_pair(self):
+        """The target's (embedding, lm_head): those of the calling context's decoding call (`attached_for_call`),
+        else those set by `attach_target`, else None."""
+        called = _CALL_TARGETS.get()
+        if called is not None and id(self) in called:
+            return called[id(self)]
+        return self.__dict__.get("_target_modules")
+
     @property
     def has_target(self) -> bool:
-        return self.__dict__.get("_target_modules") is not None
+        return self._target_pair() is not None
 
     def _target(self):
-        modules = self.__dict__.get("_target_modules")
+        modules = self._target_pair()
         if modules is None:
             raise RuntimeError(
                 "LaSpecDrafterModel has no token embedding / LM head: they are the target's own modules and are "
@@ -609,11 +638,11 @@ class LaSpecDrafterModel(PreTrainedModel):
         return modules
 
     def get_input_embeddings(self):
-        modules = self.__dict__.get("_target_modules")
+        modules = self._target_pair()
         return None if modules is None else modules[0]
 
     def get_output_embeddings(self):
-        modules = self.__dict__.get("_target_modules")
+        modules = self._target_pair()
         return None if modules is None else modules[1]
 
     def set_input_embeddings(self, value):
