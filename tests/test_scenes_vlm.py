@@ -150,7 +150,8 @@ def test_scenes_vlm_keeps_the_vocabulary_and_round_trips_through_the_auto_classe
 
 
 def test_tiny_train_vlm_lowers_the_loss_and_resumes(tiny_language_model, easy_vqa_archive, tmp_path):
-    from hf_adaptive_spec.scenes_vlm import build_scenes_vlm
+    from hf_adaptive_spec.scenes_vlm import (build_scenes_vlm, load_trained_parts, merge_language_lora,
+                                             save_trained_parts)
     import random
 
     from hf_adaptive_spec.training.vlm import VLMTrainConfig, _lm_batch, _lm_loss, train_scenes_vlm
@@ -159,21 +160,39 @@ def test_tiny_train_vlm_lowers_the_loss_and_resumes(tiny_language_model, easy_vq
     held_out = make_scenes("test", 4)
     inputs, labels, keep = _lm_batch(processor, held_out, random.Random(0), describe_fraction=1.0)
 
-    def lm_loss():
+    def lm_loss(m=model):
         with torch.no_grad():
-            return float(_lm_loss(model, inputs, labels, keep))
+            return float(_lm_loss(m, inputs, labels, keep))
 
     language_before = {k: v.clone() for k, v in model.model.language_model.state_dict().items()}
     before = lm_loss()
     config = VLMTrainConfig(tower_steps=4, tower_batch=8, tower_lr=3e-3, align_steps=3, align_batch=8, lm_steps=8,
-                            lm_batch=4, lm_lr=1e-2, lm_tower_lr=1e-3, bf16=False, eval_scenes=0, checkpoint_every=6)
+                            lm_batch=4, lm_lr=1e-2, lm_tower_lr=1e-3, lora_rank=4, lora_lr=1e-2, bf16=False,
+                            eval_scenes=0, checkpoint_every=6)
     result = train_scenes_vlm(model, processor, config, out_dir=tmp_path, progress=False, log=lambda *_: None)
     assert [h["stage"] for h in result["history"]] == ["tower"] * 4 + ["align"] * 3 + ["lm"] * 8
-    assert lm_loss() < before
-    # the language model is frozen: only the vision tower and the projector changed
+    trained_loss = lm_loss()
+    assert trained_loss < before
+    # the language model's own weights are untouched; its low-rank updates moved
+    updated = 0
     for key, value in model.model.language_model.state_dict().items():
-        assert torch.equal(value, language_before[key]), key
+        if ".parametrizations.weight.original" in key:
+            assert torch.equal(value, language_before[key.replace(".parametrizations.weight.original", ".weight")])
+        elif ".parametrizations.weight.0.B" in key:
+            updated += bool(value.abs().sum() > 0)
+        elif ".parametrizations." not in key:
+            assert torch.equal(value, language_before[key]), key
+    assert updated == 7 * model.config.text_config.num_hidden_layers
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-15", "checkpoint-6"]
+
+    # saved parts, assembled on a fresh model (factors folded into the weights), give the trained model's loss
+    parts = save_trained_parts(model, tmp_path / "parts")
+    merge_language_lora(model)
+    assert all(".parametrizations." not in k for k in model.state_dict())
+    assert lm_loss() == pytest.approx(trained_loss, abs=1e-4)
+    fresh, _ = build_scenes_vlm(tiny_language_model, seed=5)
+    load_trained_parts(fresh, parts)
+    assert lm_loss(fresh) == pytest.approx(trained_loss, abs=1e-4)
 
     # resume: a longer run continues after the latest checkpoint instead of starting over
     resumed, _ = build_scenes_vlm(tiny_language_model, seed=2)
@@ -201,6 +220,77 @@ def test_align_targets_write_each_quadrants_words_in_its_rows_of_patches(tiny_vl
     assert ids[3, 4:].tolist()[1:] == [word("right"), ids[3, 6].item(), word(top_right_shape)]
     assert ids[5, :4].tolist() == [word("Bottom"), word("left"), word(bottom_left_color), ids[5, 3].item()]
     assert torch.equal(ids[4], ids[7])  # every row of a quadrant carries the same words
+
+
+def test_language_lora_factors_ship_small_and_fold_into_an_ordinary_checkpoint(tiny_language_model, tmp_path,
+                                                                             easy_vqa_archive):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    from hf_adaptive_spec.scenes_vlm import (LORA_TARGETS, TRAINED_FILE, add_language_lora, assemble_scenes_vlm,
+                                             build_scenes_vlm, load_trained_parts, merge_language_lora,
+                                             save_trained_parts)
+
+    model, processor = build_scenes_vlm(tiny_language_model, seed=1)
+    params = add_language_lora(model, rank=4, alpha=8.0, seed=0)
+    layers = model.config.text_config.num_hidden_layers
+    assert len(params) == 2 * len(LORA_TARGETS) * layers
+    with torch.no_grad():
+        for i, parameter in enumerate(params):
+            if i % 2:  # B: zero at the start (the model is SmolLM2's), made non-zero here
+                assert not parameter.any()
+                parameter.normal_(0, 0.05, generator=torch.Generator().manual_seed(i))
+    inputs = _inputs(processor, [make_scenes("test", 1)[0].image])
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    parts = save_trained_parts(model, tmp_path / "parts")
+    saved = load_file(str(parts / TRAINED_FILE))
+    assert sum(k.endswith(".lora_A") for k in saved) == len(LORA_TARGETS) * layers
+    assert not any(".parametrizations." in k or k.startswith("model.language_model.embed") for k in saved)
+
+    # folded in: the parametrized model, a fresh one loading the parts, and the Auto-loaded assembly agree
+    merge_language_lora(model)
+    assert not any(".parametrizations." in k for k in model.state_dict())
+    fresh, _ = build_scenes_vlm(tiny_language_model, seed=7)
+    load_trained_parts(fresh, parts)
+    loaded = AutoModelForImageTextToText.from_pretrained(
+        assemble_scenes_vlm(tiny_language_model, parts, tmp_path / "full")).eval()
+    with torch.no_grad():
+        for other in (model, fresh, loaded):
+            torch.testing.assert_close(other(**inputs).logits, expected, rtol=1e-4, atol=1e-4)
+
+    # continuing from saved parts: the factors come back as a parametrization with the same product
+    again, _ = build_scenes_vlm(tiny_language_model, seed=7)
+    factors = load_trained_parts(again, parts, merge=False)
+    add_language_lora(again, rank=4, alpha=8.0, factors=factors)
+    with torch.no_grad():
+        torch.testing.assert_close(again(**inputs).logits, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="rank 4, not 8"):
+        add_language_lora(build_scenes_vlm(tiny_language_model)[0], rank=8, alpha=8.0, factors=factors)
+
+    # factors naming no layer of the language model are refused, not ignored
+    saved["model.language_model.layers.0.self_attn.q_norm.lora_A"] = saved[next(k for k in saved if "lora_A" in k)].clone()
+    save_file(saved, str(parts / TRAINED_FILE))
+    with pytest.raises(ValueError, match="names no low-rank pair"):
+        load_trained_parts(build_scenes_vlm(tiny_language_model)[0], parts)
+
+
+def test_quadrant_heads_read_each_quadrants_mean_and_every_patch_of_it():
+    from hf_adaptive_spec.training.vlm import QuadrantHeads
+
+    heads = QuadrantHeads(hidden_size=2, grid=8)
+    with torch.no_grad():
+        heads.color.weight.zero_()
+        heads.color.bias.zero_()
+        heads.color.weight[0, 0] = 1.0  # colour logit 0 = feature 0
+    patches = torch.zeros(1, 64, 2)
+    for row in range(8):
+        for column in range(8):  # feature 0: the quadrant (TL, TR, BL, BR = 0..3) + the patch's index in it / 100
+            patches[0, row * 8 + column, 0] = (row // 4) * 2 + column // 4 + ((row % 4) * 4 + column % 4) / 100
+    per_patch = heads(patches, per_patch=True)[0][0, :, :, 0]  # (4 quadrants, 16 patches)
+    expected = torch.arange(4.0)[:, None] + torch.arange(16.0)[None, :] / 100
+    torch.testing.assert_close(per_patch, expected)
+    torch.testing.assert_close(heads(patches)[0][0, :, 0], expected.mean(1))
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])

@@ -1,19 +1,23 @@
-"""Training the scenes VLM (`hf_adaptive_spec.scenes_vlm`): a vision tower and projector under a frozen SmolLM2.
+"""Training the scenes VLM (`hf_adaptive_spec.scenes_vlm`): a vision tower and projector under SmolLM2, whose
+linear layers learn low-rank updates (LoRA) in the last stage.
 
 Three stages, all on seeded random train scenes (`hf_adaptive_spec.scenes`):
 
 1. **tower**: the vision tower alone, as a classifier: its patch features (the ones the projector reads),
-   averaged over each quadrant, predict that quadrant's colour and shape through two linear heads. End-to-end
+   averaged over each quadrant and each on its own (`patch_weight`), predict that quadrant's colour and shape
+   through two linear heads. End-to-end
    language-model loss alone stalls: the tower must first learn to see.
 2. **align**: the projector (and the tower, slowly) learn to write, in every row of patches of a quadrant, the
    input embeddings of the four words that name it (" Top" / " Bottom", " left" / " right", its colour, its
    shape; first token of each), so that the image reads to the frozen language model like a short text
    ("Top left red circle Top right blue triangle ..."), which it can copy from. No language-model forward:
    cheap. Without it, the language-model loss alone reached 41% of colours after 2,000 samples.
-3. **lm**: tower + projector under the frozen language model, on the language-model loss of the assistant's
-   answers (the scene's description, or the answer to one question about one position), plus the stage-1
-   classification loss (`aux_weight`) and the stage-2 alignment loss (`align_weight`), so that neither is
-   forgotten.
+3. **lm**: tower + projector + the language model's low-rank updates (`lora_rank`; 0 keeps it frozen), on the
+   language-model loss of the assistant's answers (the scene's description, or the answer to one question
+   about one position), plus the stage-1 classification loss (`aux_weight`) and the stage-2 alignment loss
+   (`align_weight`), so that neither is forgotten. With the language model frozen, 3,200 samples reached 35%
+   of held-out colours: even an image that reads exactly like the description's words does not make the frozen
+   SmolLM2 answer in the description's format (0% with oracle embeddings in the image's place).
 
 Runs on one CPU or under `accelerate launch`; checkpoints (`checkpoint-N/`) hold the trained parts, the heads
 and the optimizer, and `resume` continues from the latest one.
@@ -52,7 +56,11 @@ class VLMTrainConfig:
     lm_batch: int = 8
     lm_lr: float = 1e-3
     lm_tower_lr: float = 2e-4
+    lora_rank: int = 16  # low-rank updates of the language model's linear layers in the lm stage (0: frozen)
+    lora_alpha: float = 32.0
+    lora_lr: float = 1e-3
     aux_weight: float = 0.5
+    patch_weight: float = 1.0  # classification of every patch (not only of quadrant means), in all stages
     describe_fraction: float = 0.5  # share of LM samples that ask for the description (the rest: one question)
     bf16: bool = True  # autocast the LM stage to bfloat16 (CPUs with AMX / GPUs)
     eval_scenes: int = 48
@@ -70,12 +78,16 @@ class QuadrantHeads(nn.Module):
         self.color = nn.Linear(hidden_size, len(COLORS))
         self.shape = nn.Linear(hidden_size, len(SHAPES))
 
-    def forward(self, patches: torch.Tensor) -> tuple:
-        # patches: (B, grid*grid, H) in row-major patch order -> quadrant means (B, 4, H) in POSITIONS order
+    def forward(self, patches: torch.Tensor, per_patch: bool = False) -> tuple:
+        """Colour and shape logits of each quadrant's mean feature, (B, 4, C) in POSITIONS order; with
+        `per_patch`, of every patch of each quadrant, (B, 4, patches per quadrant, C)."""
         batch, _, hidden = patches.shape
         half = self.grid // 2
         grid = patches.reshape(batch, 2, half, 2, half, hidden)  # (B, row half, row, col half, col, H)
-        quadrants = grid.mean(dim=(2, 4)).reshape(batch, 4, hidden)  # (B, 4, H): TL, TR, BL, BR
+        if per_patch:
+            quadrants = grid.permute(0, 1, 3, 2, 4, 5).reshape(batch, 4, half * half, hidden)
+        else:
+            quadrants = grid.mean(dim=(2, 4)).reshape(batch, 4, hidden)  # (B, 4, H): TL, TR, BL, BR
         return self.color(quadrants), self.shape(quadrants)
 
 
@@ -92,11 +104,19 @@ def _targets(scenes: list, device) -> tuple:
     return colors, shapes  # (B, 4) each
 
 
-def _aux_loss(heads, features, scenes) -> tuple:
+def _aux_loss(heads, features, scenes, patch_weight: float = 0.0) -> tuple:
+    """Classification loss of the quadrants' mean features (+ `patch_weight` x that of every single patch, so
+    that each patch carries its whole quadrant's colour and shape) and the mean features' accuracy."""
     color_logits, shape_logits = heads(features)
     colors, shapes = _targets(scenes, features.device)
     loss = nn.functional.cross_entropy(color_logits.flatten(0, 1), colors.flatten()) + \
         nn.functional.cross_entropy(shape_logits.flatten(0, 1), shapes.flatten())
+    if patch_weight:
+        patch_colors, patch_shapes = heads(features, per_patch=True)
+        count = patch_colors.shape[2]
+        loss = loss + patch_weight * (
+            nn.functional.cross_entropy(patch_colors.flatten(0, 2), colors.repeat_interleave(count, 1).flatten())
+            + nn.functional.cross_entropy(patch_shapes.flatten(0, 2), shapes.repeat_interleave(count, 1).flatten()))
     right = ((color_logits.argmax(-1) == colors).float().mean().item(),
              (shape_logits.argmax(-1) == shapes).float().mean().item())
     return loss, right
@@ -233,7 +253,11 @@ def _cosine(step: int, total: int) -> float:
 
 def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, resume: bool = False,
                      accelerator=None, progress: bool = True, log=print, scene_source=make_scenes) -> dict:
-    """Train `model`'s vision tower and projector in place (the language model stays frozen).
+    """Train `model`'s vision tower and projector in place, and low-rank updates of its language model
+    (``config.lora_rank``; added by :func:`~hf_adaptive_spec.scenes_vlm.add_language_lora` unless the model
+    already carries them). The model is returned parametrized: save it with
+    :func:`~hf_adaptive_spec.scenes_vlm.save_trained_parts`, then fold the updates in with
+    :func:`~hf_adaptive_spec.scenes_vlm.merge_language_lora`.
 
     Args:
         model: the scenes VLM (`scenes_vlm.build_scenes_vlm`).
@@ -255,14 +279,22 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
     torch.manual_seed(config.seed)
     vision = model.config.vision_config
     heads = QuadrantHeads(vision.hidden_size, vision.image_size // vision.patch_size)
+    from ..scenes_vlm import TRAINED_PREFIXES, add_language_lora
+
     for name, parameter in model.named_parameters():
-        parameter.requires_grad = name.startswith(("model.vision_tower.", "model.multi_modal_projector."))
+        parameter.requires_grad = name.startswith(TRAINED_PREFIXES)
+    lora_params = [p for n, p in model.named_parameters() if ".parametrizations.weight.0." in n]
+    if not lora_params:
+        lora_params = add_language_lora(model, config.lora_rank, config.lora_alpha, seed=config.seed)
+    for parameter in lora_params:
+        parameter.requires_grad = True
     tower_params = list(model.model.vision_tower.parameters())
     projector_params = list(model.model.multi_modal_projector.parameters())
     total = config.tower_steps + config.align_steps + config.lm_steps
     out_dir = Path(out_dir) if out_dir is not None else None
     start, history, evals = 0, [], []
-    trained_keys = [k for k in model.state_dict() if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))]
+    trained_keys = [k for k in model.state_dict()
+                    if k.startswith(TRAINED_PREFIXES) or ".parametrizations.weight.0." in k]
     state = None
     if resume and out_dir is not None and (checkpoint := _latest_checkpoint(out_dir)) is not None:
         state = torch.load(checkpoint / "training_state.pt", weights_only=False)
@@ -290,6 +322,8 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
             lr = config.align_lr if stage == "align" else config.lm_lr
             groups = [{"params": projector_params + list(heads.parameters()), "lr": lr},
                       {"params": tower_params, "lr": config.lm_tower_lr}]
+            if stage == "lm" and lora_params:
+                groups.append({"params": lora_params, "lr": config.lora_lr})
         return torch.optim.AdamW(groups, weight_decay=0.0)
 
     stage = stage_at(start)[0]
@@ -317,7 +351,7 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
         if stage in ("tower", "align"):
             pixels = processor.image_processor([s.image for s in scenes], return_tensors="pt")["pixel_values"]
             features = _patch_features(model, pixels)
-            loss, right = _aux_loss(heads, features, scenes)
+            loss, right = _aux_loss(heads, features, scenes, config.patch_weight)
             if stage == "align":
                 loss = _align_loss(model, features, scenes, tokenizer) + config.aux_weight * loss
         else:
@@ -325,7 +359,7 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
             with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=config.bf16):
                 lm = _lm_loss(model, inputs, labels, keep)
                 features = _patch_features(model, inputs["pixel_values"])
-                aux, right = _aux_loss(heads, features, scenes)
+                aux, right = _aux_loss(heads, features, scenes, config.patch_weight)
                 align = _align_loss(model, features, scenes, tokenizer) if config.align_weight else 0.0
             loss = lm + config.aux_weight * aux + config.align_weight * align
         optimizer.zero_grad()

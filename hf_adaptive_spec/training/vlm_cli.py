@@ -1,4 +1,4 @@
-"""`hf-adaptive-spec train-vlm`: train the scenes VLM's vision tower and projector under the frozen SmolLM2.
+"""`hf-adaptive-spec train-vlm`: train the scenes VLM's vision tower and projector, and low-rank updates of SmolLM2.
 
     hf-adaptive-spec train-vlm --out runs/scenes-vlm
 
@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--language-model", default="smollm2-135m-instruct",
                         help="registry name or folder of SmolLM2-135M-Instruct (frozen)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--init-from", default=None,
+                        help="start from trained parts (a folder written by train-vlm, or 'shipped'); "
+                             "usually with --tower-steps 0 --align-steps 0")
     parser.add_argument("--assemble", action="store_true", help="also write the full HF checkpoint to --out/model")
     parser.add_argument("--threads", type=int, default=None)
     for spec in fields(VLMTrainConfig):
@@ -39,7 +42,8 @@ def run(args) -> int:
     import torch
 
     from ..loading import resolve_path
-    from ..scenes_vlm import assemble_scenes_vlm, build_scenes_vlm, save_trained_parts
+    from ..scenes_vlm import (SHIPPED, add_language_lora, assemble_scenes_vlm, build_scenes_vlm, load_trained_parts,
+                              merge_language_lora, save_trained_parts)
     from .vlm import VLMTrainConfig, evaluate_scenes, train_scenes_vlm
 
     if args.threads:
@@ -49,12 +53,16 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, processor = build_scenes_vlm(language, seed=config.seed)
+    if args.init_from:
+        factors = load_trained_parts(model, SHIPPED if args.init_from == "shipped" else args.init_from, merge=False)
+        if factors:
+            add_language_lora(model, config.lora_rank, config.lora_alpha, factors=factors)
     started = time.time()
     result = train_scenes_vlm(model, processor, config, out_dir=out, resume=args.resume)
     seconds = time.time() - started
     info = {"config": result["config"], "seconds": round(seconds, 1), "evals": result["evals"],
             "final_loss": result["history"][-1]["loss"] if result["history"] else None,
-            "language_model": args.language_model, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "language_model": args.language_model, "init_from": args.init_from, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "torch": torch.__version__}
     if config.eval_scenes:
         from ..scenes import make_scenes
@@ -62,6 +70,7 @@ def run(args) -> int:
         info["blank_image"] = evaluate_scenes(model, processor, make_scenes("test", config.eval_scenes,
                                                                             seed=config.seed), blank=True)
     save_trained_parts(model, out, info)
+    merge_language_lora(model)
     (out / "history.json").write_text(json.dumps(result["history"]) + "\n")
     print(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=1))
     if args.assemble:
