@@ -328,9 +328,9 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
 
     stage = stage_at(start)[0]
     optimizer = optimizer_for(stage)
+    base_lrs = [g["lr"] for g in optimizer.param_groups]  # before loading a state: it holds scheduled rates
     if state is not None and state.get("stage") == stage:
         optimizer.load_state_dict(state["optimizer"])
-    base_lrs = [g["lr"] for g in optimizer.param_groups]
     rng = random.Random(config.seed * 1000 + accelerator.process_index + start)
     bar = tqdm(desc=f"train-vlm ({stage})", disable=not progress, initial=start, total=total)
     started = time.perf_counter()
@@ -368,7 +368,7 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
         optimizer.step()
         step += 1
         history.append({"stage": stage, "step": step, "loss": loss.item(), "color": right[0], "shape": right[1],
-                        "seconds": time.perf_counter() - started})
+                        "lr": optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - started})
         bar.set_postfix(loss=f"{loss.item():.3f}", color=f"{right[0]:.2f}", shape=f"{right[1]:.2f}")
         bar.update(1)
         lm_done = step - config.tower_steps - config.align_steps
