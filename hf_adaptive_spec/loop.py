@@ -322,7 +322,7 @@ def _speculative_decode(
         stats.time_tree += elapsed - (drafter.model_time - draft_model_time)
         if cost is not None and not paused:  # verify only what pays for its marginal cost
             drafted = tree.num_drafted()
-            tree = tree.subset(cost.prune(tree)[0])
+            tree = tree.subset(cost.prune(tree, active)[0])
             trace.pruned += ((drafted - tree.num_drafted()) * active).sum()
             stats.time_tree += clock.lap()
 

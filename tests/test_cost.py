@@ -136,6 +136,25 @@ def test_cost_rule_trims_trees_and_output_stays_exact(arch, monkeypatch):
     assert out.spec_stats.mean_accepted_length == pytest.approx(5.0, abs=0.6)
 
 
+def test_finished_rows_neither_gain_nor_keep_nodes():
+    """Two rows, the same confident chain: with both generating, two draft nodes pay for T(3) - T(1); with the
+    first row finished, only the second row's gain counts and one node is all that pays."""
+    chain = _tree([-1, 0, 1], [1.0, 0.9, 0.9])
+    tree = DraftTree(**{name: torch.cat([getattr(chain, name)] * 2) for name in
+                        ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot")},
+                     num_levels=chain.num_levels)
+    # T(2) - T(1) = 0.5 s, T(3) - T(2) = 1.0 s at 1 s per token: node a pays for one row (pi 0.9 > 0.5), node b
+    # (pi 0.81) pays only when two rows gain it (1.62 > 1.0)
+    model = CostModel(CostProfile(sizes=[1, 2, 3], seconds=[1.0, 1.5, 2.5]), max_tokens=8, device="cpu",
+                      live_scale=False)
+    model.seconds_per_token = torch.tensor(1.0)
+    keep, n = model.prune(tree)
+    assert int(n) == 2 and keep.all()
+    keep, n = model.prune(tree, active=torch.tensor([False, True]))
+    assert int(n) == 1
+    assert keep.tolist() == [[True, False, False], [True, True, False]]
+
+
 def test_cost_model_tracks_seconds_per_token():
     model = CostModel(CostProfile(sizes=[1], seconds=[2.0]), max_tokens=8, device="cpu", smoothing=0.5)
     assert float(model.seconds_per_token) == 2.0
