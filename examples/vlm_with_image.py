@@ -1,8 +1,9 @@
 """Speculative decoding on a trained vision-language model, with a held-out image: output == plain greedy.
 
-The target is `scenes-vlm-135m`: the real SmolLM2-135M-Instruct with a vision tower and projector this library
-trained (`hf-adaptive-spec train-vlm`) on scenes of four coloured shapes (`hf_adaptive_spec.scenes`, from the
-`easy-vqa` package). It is assembled offline from the registry's SmolLM2 and the shipped tower on first use.
+The target is `scenes-vlm-135m`: the real SmolLM2-135M-Instruct with a vision tower, a projector and low-rank
+updates of its layers this library trained (`hf-adaptive-spec train-vlm`) on scenes of four coloured shapes
+(`hf_adaptive_spec.scenes`, from the `easy-vqa` package). It is assembled offline from the registry's SmolLM2
+and the shipped trained parts on first use.
 The scene shown here is built from easy-vqa's TEST images, which training never saw.
 
 Three drafters, each on the same image:

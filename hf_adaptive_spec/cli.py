@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .training import vlm_cli
 
-    vlm = sub.add_parser("train-vlm", help="train the scenes VLM's vision tower and projector (accelerate)")
+    vlm = sub.add_parser("train-vlm", help="train the scenes VLM: vision tower, projector, low-rank updates of SmolLM2 (accelerate)")
     vlm_cli.add_arguments(vlm)
     vlm.set_defaults(func=vlm_cli.run)
 

@@ -52,7 +52,7 @@ class VLMTrainConfig:
     align_batch: int = 64
     align_lr: float = 2e-3
     align_weight: float = 0.5
-    lm_steps: int = 500
+    lm_steps: int = 300
     lm_batch: int = 8
     lm_lr: float = 1e-3
     lm_tower_lr: float = 2e-4
