@@ -306,6 +306,7 @@ def _speculative_decode(
         active = ~finished
         # deepest useful draft: the bonus token needs one slot of the remaining budget
         max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
+        max_depth = torch.where(active, max_depth, 0)  # a finished row drafts nothing: its tokens are dropped
         draft_model_time = drafter.model_time
         # (not for strategies that shape rounds by a per-round confidence, e.g. sage: its stats stay aligned)
         paused = (block_drafter and cost is not None and strategy.round_confidence() is None
