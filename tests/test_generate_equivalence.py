@@ -351,3 +351,29 @@ def test_returned_cache_of_a_sliding_window_model_continues_like_plain_generates
     continued = [target.generate(input_ids=out.sequences, attention_mask=mask, do_sample=False, max_new_tokens=8,
                                  **{cache_argument(target): cache}) for cache in (theirs, mine)]
     assert torch.equal(continued[0], continued[1])
+
+
+def test_rows_that_end_early_draft_nothing_after(monkeypatch):
+    """Once a row has emitted its end-of-sequence token it drafts nothing (depth limit 0) while the other row
+    goes on; the output still equals plain greedy."""
+    from hf_adaptive_spec.drafters.independent import IndependentDrafter
+
+    target = _target("llama")
+    inputs = make_inputs("llama", batch_size=2)
+    prompt_length = inputs["input_ids"].shape[1]
+    eos = int(_plain(target, inputs)[0, prompt_length + 5])
+    plain = _plain(target, inputs, eos_token_id=eos)
+    assert eos not in plain[1, prompt_length:-1].tolist()  # row 1 runs to the token limit
+    limits = []
+    draft = IndependentDrafter.draft
+
+    def recording(self, strategy, process, max_depth, *args, **kwargs):
+        limits.append(max_depth.tolist())
+        return draft(self, strategy, process, max_depth, *args, **kwargs)
+
+    monkeypatch.setattr(IndependentDrafter, "draft", recording)
+    out = _spec(target, inputs, build_drafter("llama", target, "small"), "sage", eos_token_id=eos)
+    assert torch.equal(out.sequences, plain)
+    finished_at = next(i for i, (row0, _) in enumerate(limits) if row0 == 0)
+    assert all(row0 == 0 for row0, _ in limits[finished_at:])
+    assert any(row1 > 0 for _, row1 in limits[finished_at:])
