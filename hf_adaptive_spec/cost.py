@@ -522,18 +522,10 @@ class CostModel:
     def scale(self, value: float) -> None:
         self.calibration.scale = value
 
-    def prune(self, tree, active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def prune(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
         """`(keep (B, N), n)` for `tree` (see `choose_prefix`); for a host-built tree the survival products and the
-        choice run on its lists, with the same float32 / float64 arithmetic.
-
-        Args:
-            active (`torch.BoolTensor` of shape `(B,)`, *optional*): rows still generating; a finished row's
-                nodes gain nothing (its tokens are dropped), so they neither count towards the batch's gain nor
-                are kept.
-        """
+        choice run on its lists, with the same float32 / float64 arithmetic."""
         accept = self.acceptance(tree)
-        if active is not None:
-            accept = accept * active[:, None].to(accept.dtype)
         if tree.host is not None:
             return self._prune_host(tree.host, accept[0].tolist(), tree.tokens.device)
         pi = survival(tree, accept)

@@ -306,7 +306,9 @@ def _speculative_decode(
         active = ~finished
         # deepest useful draft: the bonus token needs one slot of the remaining budget
         max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
-        max_depth = torch.where(active, max_depth, 0)  # a finished row drafts nothing: its tokens are dropped
+        # a finished row drafts nothing: its tokens are dropped, and nodes of it would weigh in the pricing
+        # of the batch's drafting (DraftPricing) and verification (the cost rule)
+        max_depth = torch.where(active, max_depth, 0)
         draft_model_time = drafter.model_time
         # (not for strategies that shape rounds by a per-round confidence, e.g. sage: its stats stay aligned)
         paused = (block_drafter and cost is not None and strategy.round_confidence() is None
@@ -323,7 +325,7 @@ def _speculative_decode(
         stats.time_tree += elapsed - (drafter.model_time - draft_model_time)
         if cost is not None and not paused:  # verify only what pays for its marginal cost
             drafted = tree.num_drafted()
-            tree = tree.subset(cost.prune(tree, active)[0])
+            tree = tree.subset(cost.prune(tree)[0])
             trace.pruned += ((drafted - tree.num_drafted()) * active).sum()
             stats.time_tree += clock.lap()
 

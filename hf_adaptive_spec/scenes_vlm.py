@@ -36,6 +36,7 @@ __all__ = [
     "assemble_scenes_vlm",
     "build_scenes_vlm",
     "fetch_scenes_vlm",
+    "language_lora_parameters",
     "load_trained_parts",
     "merge_language_lora",
     "save_trained_parts",
@@ -157,10 +158,18 @@ def _lora_linears(model) -> dict:
 def add_language_lora(model, rank: int, alpha: float, seed: int = 0, factors: Optional[dict] = None) -> list:
     """Parametrize every :data:`LORA_TARGETS` layer of `model`'s language model as ``W + (alpha / rank) B A``
     (``torch.nn.utils.parametrize``; W frozen, A random, B zero, or both from `factors`, as
-    :func:`load_trained_parts` returns them). Returns the new (A, B) parameters."""
+    :func:`load_trained_parts` returns them). Returns the new (A, B) parameters.
+
+    Raises:
+        ValueError: `factors` of another rank than `rank` (a rank of 0 trains none: it cannot take factors).
+    """
     import torch
     from torch.nn.utils import parametrize
 
+    if factors:
+        saved_rank = next(a for key, a in factors.items() if key.endswith(".lora_A")).shape[0]
+        if saved_rank != rank:
+            raise ValueError(f"the saved low-rank factors have rank {saved_rank}, not {rank}.")
     if rank <= 0:
         return []
     LowRank = _low_rank_module()
@@ -172,12 +181,9 @@ def add_language_lora(model, rank: int, alpha: float, seed: int = 0, factors: Op
             module.weight.requires_grad = False
             update = LowRank(module.out_features, module.in_features, rank, alpha / rank, module.weight.dtype)
             if factors:
-                a, b = factors[prefix + ".lora_A"], factors[prefix + ".lora_B"]
-                if a.shape[0] != rank:
-                    raise ValueError(f"the saved low-rank factors have rank {a.shape[0]}, not {rank}.")
                 with torch.no_grad():
-                    update.A.copy_(a)
-                    update.B.copy_(b / update.scale)
+                    update.A.copy_(factors[prefix + ".lora_A"])
+                    update.B.copy_(factors[prefix + ".lora_B"] / update.scale)
             parametrize.register_parametrization(module, "weight", update)
             params += [update.A, update.B]
     finally:
@@ -185,14 +191,25 @@ def add_language_lora(model, rank: int, alpha: float, seed: int = 0, factors: Op
     return params
 
 
+def _lora_updates(model) -> dict:
+    """``{state-dict prefix: LowRank}`` of the language model's layers parametrized by :func:`add_language_lora`."""
+    from torch.nn.utils import parametrize
+
+    return {prefix: module.parametrizations.weight[0] for prefix, module in _lora_linears(model).items()
+            if parametrize.is_parametrized(module, "weight")}
+
+
+def language_lora_parameters(model) -> list:
+    """The (A, B) parameters of `model`'s low-rank updates (empty if it carries none)."""
+    return [p for update in _lora_updates(model).values() for p in (update.A, update.B)]
+
+
 def _lora_factors(model) -> dict:
     """``{<module>.lora_A: A, <module>.lora_B: scale * B}`` of a parametrized model (empty if it has none)."""
     factors = {}
-    for prefix, module in _lora_linears(model).items():
-        if getattr(module, "parametrizations", None) is not None and "weight" in module.parametrizations:
-            update = module.parametrizations.weight[0]
-            factors[prefix + ".lora_A"] = update.A.detach()
-            factors[prefix + ".lora_B"] = (update.scale * update.B).detach()
+    for prefix, update in _lora_updates(model).items():
+        factors[prefix + ".lora_A"] = update.A.detach()
+        factors[prefix + ".lora_B"] = (update.scale * update.B).detach()
     return factors
 
 
@@ -254,13 +271,11 @@ def load_trained_parts(model, folder: Union[str, Path], merge: bool = True) -> d
                          f"(missing {sorted(expected - set(state))[:3]}, extra {sorted(set(state) - expected)[:3]}).")
     linears = _lora_linears(model)
     updates = {}
-    for key in lora:
-        prefix = key.rsplit(".", 1)[0]
+    for prefix in {key.rsplit(".", 1)[0] for key in lora}:
         if prefix not in linears or prefix + ".lora_A" not in lora or prefix + ".lora_B" not in lora:
-            raise ValueError(f"{folder / TRAINED_FILE}: {key} names no low-rank pair of the language model's "
+            raise ValueError(f"{folder / TRAINED_FILE}: {prefix} names no low-rank pair of the language model's "
                              f"{', '.join(LORA_TARGETS)} layers.")
-        updates[prefix] = (lora[prefix + ".lora_A"], lora[prefix + ".lora_B"])
-    for prefix, (a, b) in updates.items():
+        a, b = updates[prefix] = (lora[prefix + ".lora_A"], lora[prefix + ".lora_B"])
         if (b.shape[0], a.shape[1]) != tuple(linears[prefix].weight.shape):
             raise ValueError(f"{folder / TRAINED_FILE}: {prefix} factors make {b.shape[0]}x{a.shape[1]}, the "
                              f"layer is {tuple(linears[prefix].weight.shape)}.")

@@ -136,9 +136,10 @@ def test_cost_rule_trims_trees_and_output_stays_exact(arch, monkeypatch):
     assert out.spec_stats.mean_accepted_length == pytest.approx(5.0, abs=0.6)
 
 
-def test_finished_rows_neither_gain_nor_keep_nodes():
-    """Two rows, the same confident chain: with both generating, two draft nodes pay for T(3) - T(1); with the
-    first row finished, only the second row's gain counts and one node is all that pays."""
+def test_a_row_without_draft_nodes_adds_no_gain_to_the_batch():
+    """Two rows, the same confident chain: with both drafted, two draft nodes pay for T(3) - T(1); when one row
+    has no valid node (a finished row drafts nothing), only the other's gain counts and one node is all that
+    pays."""
     chain = _tree([-1, 0, 1], [1.0, 0.9, 0.9])
     tree = DraftTree(**{name: torch.cat([getattr(chain, name)] * 2) for name in
                         ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot")},
@@ -150,7 +151,8 @@ def test_finished_rows_neither_gain_nor_keep_nodes():
     model.seconds_per_token = torch.tensor(1.0)
     keep, n = model.prune(tree)
     assert int(n) == 2 and keep.all()
-    keep, n = model.prune(tree, active=torch.tensor([False, True]))
+    tree.valid[0, 1:] = False
+    keep, n = model.prune(tree)
     assert int(n) == 1
     assert keep.tolist() == [[True, False, False], [True, True, False]]
 

@@ -150,8 +150,8 @@ def test_scenes_vlm_keeps_the_vocabulary_and_round_trips_through_the_auto_classe
 
 
 def test_tiny_train_vlm_lowers_the_loss_and_resumes(tiny_language_model, easy_vqa_archive, tmp_path):
-    from hf_adaptive_spec.scenes_vlm import (build_scenes_vlm, load_trained_parts, merge_language_lora,
-                                             save_trained_parts)
+    from hf_adaptive_spec.scenes_vlm import (LORA_TARGETS, build_scenes_vlm, load_trained_parts,
+                                             merge_language_lora, save_trained_parts)
     import random
 
     from hf_adaptive_spec.training.vlm import VLMTrainConfig, _lm_batch, _lm_loss, train_scenes_vlm
@@ -182,7 +182,7 @@ def test_tiny_train_vlm_lowers_the_loss_and_resumes(tiny_language_model, easy_vq
             updated += bool(value.abs().sum() > 0)
         elif ".parametrizations." not in key:
             assert torch.equal(value, language_before[key]), key
-    assert updated == 7 * model.config.text_config.num_hidden_layers
+    assert updated == len(LORA_TARGETS) * model.config.text_config.num_hidden_layers
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-15", "checkpoint-6"]
 
     # saved parts, assembled on a fresh model (factors folded into the weights), give the trained model's loss
@@ -273,8 +273,9 @@ def test_language_lora_factors_ship_small_and_fold_into_an_ordinary_checkpoint(t
     add_language_lora(again, rank=4, alpha=8.0, factors=factors)
     with torch.no_grad():
         torch.testing.assert_close(again(**inputs).logits, expected, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="rank 4, not 8"):
-        add_language_lora(build_scenes_vlm(tiny_language_model)[0], rank=8, alpha=8.0, factors=factors)
+    for other_rank in (8, 0):  # another rank, or none (that would silently drop the factors), is refused
+        with pytest.raises(ValueError, match=f"rank 4, not {other_rank}"):
+            add_language_lora(build_scenes_vlm(tiny_language_model)[0], rank=other_rank, alpha=8.0, factors=factors)
 
     # factors naming no layer of the language model are refused, not ignored
     saved["model.language_model.layers.0.self_attn.q_norm.lora_A"] = saved[next(k for k in saved if "lora_A" in k)].clone()

@@ -279,13 +279,12 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
     torch.manual_seed(config.seed)
     vision = model.config.vision_config
     heads = QuadrantHeads(vision.hidden_size, vision.image_size // vision.patch_size)
-    from ..scenes_vlm import TRAINED_PREFIXES, add_language_lora
+    from ..scenes_vlm import TRAINED_PREFIXES, add_language_lora, language_lora_parameters
 
     for name, parameter in model.named_parameters():
         parameter.requires_grad = name.startswith(TRAINED_PREFIXES)
-    lora_params = [p for n, p in model.named_parameters() if ".parametrizations.weight.0." in n]
-    if not lora_params:
-        lora_params = add_language_lora(model, config.lora_rank, config.lora_alpha, seed=config.seed)
+    lora_params = language_lora_parameters(model) or add_language_lora(model, config.lora_rank, config.lora_alpha,
+                                                                       seed=config.seed)
     for parameter in lora_params:
         parameter.requires_grad = True
     tower_params = list(model.model.vision_tower.parameters())

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.add_argument("--out", required=True, help="output folder (checkpoints, trained parts)")
     parser.add_argument("--language-model", default="smollm2-135m-instruct",
-                        help="registry name or folder of SmolLM2-135M-Instruct (frozen)")
+                        help="registry name or folder of SmolLM2-135M-Instruct")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     parser.add_argument("--init-from", default=None,
                         help="start from trained parts (a folder written by train-vlm, or 'shipped'); "
