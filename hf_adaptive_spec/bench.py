@@ -677,7 +677,7 @@ def _record(prompt, inputs, method, result, error, reference, position, tokenize
         record["tau_num"], record["tau_den"] = stats.accepted_tokens + stats.row_rounds, stats.row_rounds
         record["spec_stats"] = _jsonable(stats.to_dict())
         record["accepted_lengths"] = [int(x) for x in stats.accepted_lengths]
-        alphas = getattr(stats, "sage_alphas", None)
+        alphas = stats.round_values.get("alpha")  # sage: the confidence that shaped each tree
         if alphas:
             record["sage_alphas"] = [float(x) for x in alphas]
         if prompt.dataset == bench_vision.SCENES:

@@ -20,9 +20,8 @@ from .acceptance import sample_accept
 from .attention import tree_attention
 from .compat import cache_from_kwargs, check_cache, check_model, check_pair
 from .cost import CostModel, DraftPricing, shared_calibration, verifier_cost_profile
-from .drafters.block import BlockDrafter
-from .drafters.independent import IndependentDrafter
-from .drafters.laspec import LaSpecDrafterModel, attached_for_call, draft_head_cache
+from .drafters.base import TargetPrefill, VerifiedRound
+from .drafters.factory import make_drafter
 from .final_cache import CACHE_FIELD, returned_cache
 from .ops import cpu_linear
 from .placement import execution_device, tensor_parallel
@@ -44,8 +43,8 @@ class SpecStats:
         drafted_tokens / accepted_tokens: draft nodes verified / draft tokens accepted, over all rows.
         mean_accepted_length: tau = tokens produced by rounds / row_rounds (accepted drafts + bonus per round).
         accepted_lengths: accepted draft tokens of each row-round, in order.
-        sage_alphas: for `sage`, the confidence alpha that shaped each row-round's tree (aligned with
-            `accepted_lengths`); empty for other strategies.
+        round_values: per-row-round values the strategy reports (`Strategy.round_values`), each list aligned
+            with `accepted_lengths`: `sage` reports `alpha`, the confidence that shaped each tree.
         time_*: seconds spent in the prefill (target and drafter), drafting (drafter forwards), tree and mask
             building, verification (target forwards), acceptance (processors, path choice, stopping) and KV
             compaction. On a GPU these are host times between phases, without extra synchronisation.
@@ -70,7 +69,7 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accepted_lengths: list = field(default_factory=list)
-    sage_alphas: list = field(default_factory=list)
+    round_values: dict = field(default_factory=dict)
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_tree: float = 0.0
@@ -98,7 +97,7 @@ class SpecStats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("accepted_lengths", "sage_alphas")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("accepted_lengths", "round_values")}
         out.update(mean_accepted_length=self.mean_accepted_length, target_forwards=self.target_forwards,
                    acceptance_rate=self.acceptance_rate)
         return out
@@ -121,17 +120,6 @@ class _Clock:
         return elapsed
 
 
-def _drafter_datastore(drafter, config):
-    """The datastore a block-drafter round adds to its trees: the drafter's own (`LaSpecDrafterModel.datastore`)
-    unless the strategy's `datastore` setting is False; True insists that the drafter carries one."""
-    wanted = getattr(config, "datastore", False)
-    store = getattr(drafter, "datastore", None)
-    if wanted is True and store is None:
-        raise ValueError("spec_config datastore=True, but the drafter carries no datastore (load one from a folder "
-                         "with datastore.safetensors, or `drafter.set_datastore(TokenDatastore...)`).")
-    return None if wanted is False else store
-
-
 def _check_generation_config(generation_config, model_kwargs, streamer, batch_size):
     if generation_config.num_beams not in (None, 1):
         raise ValueError("spec_strategy does not support beam search (num_beams > 1).")
@@ -147,54 +135,15 @@ def _check_generation_config(generation_config, model_kwargs, streamer, batch_si
         raise ValueError("spec_strategy streams one sequence; a streamer needs batch size 1.")
 
 
-@torch.no_grad()
-def speculative_decode(*args, **kwargs):
-    """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
-
-    Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
-    `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`).
-    """
-    with contextlib.ExitStack() as after_prefill:  # contexts the rounds run in, closed on any exit
-        return _speculative_decode(after_prefill, *args, **kwargs)
-
-
-def _speculative_decode(
-    after_prefill: contextlib.ExitStack,
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    streamer=None,
-    assistant_model=None,
-    tokenizer=None,
-    assistant_tokenizer=None,
-    raw_inputs: dict | None = None,
-    synced_gpus: bool = False,
-    **model_kwargs,
-):
-    start_time = time.perf_counter()
-    strategy_name = generation_config.spec_strategy
-    strategy_class = get_strategy_class(strategy_name)
-    config = resolve_config(strategy_name, getattr(generation_config, "spec_config", None),
-                            execution_device(model, input_ids.device))
-    batch_size = input_ids.shape[0]
-    device = input_ids.device
-
+def _validate(model, input_ids, generation_config, streamer, assistant_model, tokenizer, assistant_tokenizer,
+              synced_gpus, model_kwargs):
+    """Refuse what speculation cannot do exactly; returns the target's (checked) cache."""
     if assistant_model is None:
         raise ValueError("spec_strategy needs a drafter: pass assistant_model=...")
     if synced_gpus:
         raise ValueError("spec_strategy does not support synced_gpus.")
-    _check_generation_config(generation_config, model_kwargs, streamer, batch_size)
+    _check_generation_config(generation_config, model_kwargs, streamer, input_ids.shape[0])
     check_model(model, "target")
-    block_drafter = isinstance(assistant_model, LaSpecDrafterModel)
-    if strategy_class.requires_block_drafter and not block_drafter:
-        raise ValueError(
-            f"spec_strategy={strategy_name!r} drafts with a LaSpecDrafterModel (hf_adaptive_spec.LaSpecDrafterModel, "
-            f"e.g. trained by `hf-adaptive-spec train-drafter`); got {type(assistant_model).__name__}."
-        )
-    if not block_drafter:
-        check_model(assistant_model, "drafter")
     check_pair(model, assistant_model, tokenizer, assistant_tokenizer)
     if not model_kwargs.get("use_cache", True):
         raise ValueError("spec_strategy needs use_cache=True.")
@@ -203,212 +152,281 @@ def _speculative_decode(
     full_layer_cache(cache)  # windows are applied by the masks; every slot stays (see `windows`)
     if model_kwargs.get("position_ids") is None:
         raise ValueError(f"{type(model).__name__} gets no position_ids from generate; spec_strategy needs them.")
+    return cache
 
-    stats = SpecStats(strategy=strategy_name)
-    return_dict = generation_config.return_dict_in_generate
-    want_scores = return_dict and generation_config.output_scores
-    want_logits = return_dict and generation_config.output_logits
-    row_scores = [[] for _ in range(batch_size)] if want_scores else None
-    row_logits = [[] for _ in range(batch_size)] if want_logits else None
 
-    pad = generation_config._pad_token_tensor
-    buffer = SequenceBuffer(input_ids, generation_config.max_length, int(pad) if pad is not None else 0)
-    stopper = StopChecker(stopping_criteria, generation_config._eos_token_tensor, generation_config.max_length)
-    attention_mask = model_kwargs.get("attention_mask")
-    position_ids = model_kwargs["position_ids"]
+@torch.no_grad()
+def speculative_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+                       streamer=None, assistant_model=None, tokenizer=None, assistant_tokenizer=None,
+                       raw_inputs: dict | None = None, synced_gpus: bool = False, **model_kwargs):
+    """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
 
-    # 1. target prefill, exactly as plain generate runs it -> the first token
-    clock = _Clock()
-    prefill_kwargs = {**model_kwargs, "output_hidden_states": True} if block_drafter else model_kwargs
-    drafter = None
-    if block_drafter:
-        after_prefill.enter_context(attached_for_call(assistant_model, model))  # this call only
-        drafter = BlockDrafter(assistant_model, model, block_size=getattr(config, "block_size", None),
-                               num_visual_tokens=getattr(config, "num_visual_tokens", None),
-                               context_lookup=getattr(config, "context_lookup", 0),
-                               lookup_tokens=getattr(config, "lookup_tokens", None),
-                               datastore=_drafter_datastore(assistant_model, config),
-                               datastore_tokens=getattr(config, "datastore_tokens", None))
-        after_prefill.enter_context(draft_head_cache())
-    with drafter.vision_context(input_ids) if block_drafter else contextlib.nullcontext(), \
-            _prefill_positions(model) as used_positions:
-        outputs = model._prefill(input_ids, generation_config, prefill_kwargs)
-    if cache.get_seq_length() != input_ids.shape[1]:
-        raise ValueError(
-            f"{type(model).__name__} cached {cache.get_seq_length()} positions for a {input_ids.shape[1]}-token "
-            "prompt; spec_strategy needs one cache slot per input token."
-        )
-    first_raw = outputs.logits[:, -1, :].to(torch.float32)
-    first_scores = logits_processor(input_ids, first_raw) if len(logits_processor) else first_raw
-    do_sample = bool(generation_config.do_sample)
-    if do_sample:
-        first_token = torch.multinomial(torch.softmax(first_scores, dim=-1), 1).squeeze(1)
-    else:
-        first_token = first_scores.argmax(-1)
-    prefill_hidden = outputs.hidden_states if block_drafter else None
-    del outputs
-    slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    target = ModelRunner(model, cache, slot_valid, used_positions.get("position_ids", position_ids))
-    first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
+    Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
+    `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`).
+    """
+    with contextlib.ExitStack() as scope:  # what the call enters (drafter attachment, kernels), closed on any exit
+        cache = _validate(model, input_ids, generation_config, streamer, assistant_model, tokenizer,
+                          assistant_tokenizer, synced_gpus, model_kwargs)
+        run = _Decoding(scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
+                        streamer, assistant_model, model_kwargs)
+        run.prefill(raw_inputs or {})
+        run.start_rounds()
+        while not bool(run.finished.all()):
+            run.round()
+        return run.finish()
 
-    if device.type == "cpu":  # measured on CPUs only (no GPU figures yet): both change float rounding, not math
-        # verification and drafting run a few rows per linear layer: the small-batch kernel; a LaSpec drafter
-        # reads bf16 copies of its weights (drafts only: the target still decides every token)
-        compact = (assistant_model,) if block_drafter else ()
+
+class _Decoding:
+    """One speculative `generate` call: its state, and the loop's steps as methods (prefill, start_rounds, round
+    = draft -> trim -> verify -> accept -> commit, finish)."""
+
+    def __init__(self, scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
+                 streamer, assistant_model, model_kwargs):
+        self.start_time = time.perf_counter()
+        self.scope, self.model, self.cache, self.input_ids = scope, model, cache, input_ids
+        self.logits_processor, self.generation_config, self.streamer = logits_processor, generation_config, streamer
+        self.assistant_model, self.model_kwargs = assistant_model, model_kwargs
+        name = generation_config.spec_strategy
+        self.strategy_class = get_strategy_class(name)
+        self.config = resolve_config(name, getattr(generation_config, "spec_config", None),
+                                     execution_device(model, input_ids.device))
+        self.drafter = make_drafter(assistant_model, model, self.strategy_class, self.config, scope)
+        self.batch_size, self.device = input_ids.shape[0], input_ids.device
+        self.do_sample = bool(generation_config.do_sample)
+        self.stats = SpecStats(strategy=name)
+        return_dict = generation_config.return_dict_in_generate
+        self.row_scores = [[] for _ in input_ids] if return_dict and generation_config.output_scores else None
+        self.row_logits = [[] for _ in input_ids] if return_dict and generation_config.output_logits else None
+        pad = generation_config._pad_token_tensor
+        self.buffer = SequenceBuffer(input_ids, generation_config.max_length, int(pad) if pad is not None else 0)
+        self.stopper = StopChecker(stopping_criteria, generation_config._eos_token_tensor,
+                                   generation_config.max_length)
+        self.finished = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+        self.clock = _Clock()
+        self.trace = _RoundTrace()
+        self.strategy = self.target = self.cost = self.pricing = None
+        self.last_round = None  # (path_index, counts) of a final round that ended the call before its commit
+
+    # ---- prefill
+
+    def prefill(self, raw_inputs: dict) -> None:
+        """The target's prefill, exactly as plain generate runs it -> the first token; then the drafter's."""
+        model, input_ids, drafter = self.model, self.input_ids, self.drafter
+        kwargs = self.model_kwargs
+        if drafter.needs_target_states:
+            kwargs = {**kwargs, "output_hidden_states": True}
+        with drafter.prefill_scope(input_ids), _prefill_positions(model) as used_positions:
+            outputs = model._prefill(input_ids, self.generation_config, kwargs)
+        if self.cache.get_seq_length() != input_ids.shape[1]:
+            raise ValueError(
+                f"{type(model).__name__} cached {self.cache.get_seq_length()} positions for a {input_ids.shape[1]}-"
+                "token prompt; spec_strategy needs one cache slot per input token."
+            )
+        raw = outputs.logits[:, -1, :].to(torch.float32)
+        scores = self.logits_processor(input_ids, raw) if len(self.logits_processor) else raw
+        first = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
+        hidden = outputs.hidden_states if drafter.needs_target_states else None
+        del outputs
+        attention_mask = self.model_kwargs.get("attention_mask")
+        slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        position_ids = used_positions.get("position_ids", self.model_kwargs["position_ids"])
+        self.target = ModelRunner(model, self.cache, slot_valid, position_ids)
+        self.first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
+        if self.device.type == "cpu":
+            self._enter_cpu_kernels()
+        counts, done = self.stopper.cut(self.buffer, first[:, None], torch.ones_like(first))
+        self._emit(first[:, None], counts, scores[:, None], raw[:, None])
+        self.finished |= done
+        self.stats.time_prefill += self.clock.lap()
+        if not bool(self.finished.all()):
+            drafter.start(TargetPrefill(input_ids, attention_mask, slot_valid, raw_inputs, self.cache, hidden, first))
+            self.stats.time_visual += drafter.visual_time
+            self.stats.time_prefill += self.clock.lap()
+
+    def _enter_cpu_kernels(self) -> None:
+        """Rounds on a CPU (measured there only; both change float rounding, not math): the small-batch linear
+        kernel for verification and drafting (a drafter that `compact_weights` reads bf16 copies: drafts only, the
+        target still decides every token), and tree forwards' GQA without repeat_kv."""
+        drafter = self.drafter
+        compact = (drafter.model,) if drafter.compact_weights else ()
         setup_start = time.perf_counter()
-        after_prefill.enter_context(cpu_linear.fast_linears(model, assistant_model, compact=compact))
-        stats.time_setup += time.perf_counter() - setup_start
-        for verifier in (model, None if block_drafter else assistant_model):  # tree forwards: GQA without repeat_kv
-            after_prefill.enter_context(tree_attention(verifier))
+        self.scope.enter_context(cpu_linear.fast_linears(self.model, self.assistant_model, compact=compact))
+        self.stats.time_setup += time.perf_counter() - setup_start
+        for verifier in (self.model, drafter.model if drafter.tree_forwards else None):
+            self.scope.enter_context(tree_attention(verifier))
 
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-    counts, done = stopper.cut(buffer, first_token[:, None], torch.ones_like(first_token))
-    _emit(buffer, streamer, first_token[:, None], counts)
-    if want_scores or want_logits:
-        _record_scores(row_scores, row_logits, first_scores[:, None], first_raw[:, None], counts)
-    finished |= done
-    stats.time_prefill += clock.lap()
+    def start_rounds(self) -> None:
+        """The strategy, and the cost rule when the strategy is cost-aware (greedy; not under tensor
+        parallelism: its choices follow each rank's own timings, and every rank must verify the same tree)."""
+        self.strategy = self.strategy_class(self.config, self.batch_size, self.device)
+        self.strategy.sampling = self.do_sample
+        if (bool(self.finished.all()) or not self.strategy.cost_aware or self.do_sample
+                or tensor_parallel(self.model, self.assistant_model)):
+            return
+        profile = verifier_cost_profile(self.target)
+        calibration = shared_calibration(self.assistant_model, f"{self.strategy.name}|{profile.key}", self.device)
+        self.cost = CostModel(profile, max_tokens=256, device=self.device, calibration=calibration)
+        if self.drafter.prices_levels and self.cost.live_scale:  # drafting is priced too (host times are real)
+            self.pricing = DraftPricing(self.cost)
+        self.stats.time_profile += self.clock.lap()
+        self.stats.time_setup += self.stats.time_profile
 
-    if bool(finished.all()):
-        drafter = None
-    else:
-        if block_drafter:
-            drafter.prefill(prefill_hidden, slot_valid, first_token)
-            drafter.setup_vision(prefill_hidden, cache)
-            stats.time_visual += drafter.visual_time
-        else:
-            drafter = IndependentDrafter(assistant_model)
-            drafter.prefill(input_ids, attention_mask, raw_inputs or {})
-            drafter.set_pending(first_token[:, None], torch.ones(batch_size, 1, dtype=torch.bool, device=device))
-        stats.time_prefill += clock.lap()
-    del prefill_hidden
-    strategy = strategy_class(config, batch_size, device)
-    strategy.sampling = do_sample
-    cost = pricing = None
-    # (not under tensor parallelism: the cost rule's choices follow each rank's own timings, and every rank must
-    # verify the same tree)
-    if drafter is not None and strategy.cost_aware and not do_sample and not tensor_parallel(model, assistant_model):
-        profile = verifier_cost_profile(target)
-        calibration = shared_calibration(assistant_model, f"{strategy_name}|{profile.key}", device)
-        cost = CostModel(profile, max_tokens=256, device=device, calibration=calibration)
-        if not block_drafter and cost.live_scale:  # drafting is priced too (host times are real on a CPU)
-            pricing = DraftPricing(cost)
-        stats.time_profile += clock.lap()
-        stats.time_setup += stats.time_profile
-    trace = _RoundTrace()
+    # ---- one round
 
-    def process_draft(logits, paths, depths, valid):
-        return process_logits(logits_processor, buffer, paths, depths, logits, valid)
-
-    # 2. rounds
-    while not bool(finished.all()):
+    def round(self) -> None:
         round_start = time.perf_counter()
-        active = ~finished
-        # deepest useful draft: the bonus token needs one slot of the remaining budget
-        max_depth = (generation_config.max_length - buffer.lengths - 1).clamp_min(0)
-        # a finished row drafts nothing: its tokens are dropped, and nodes of it would weigh in the pricing
-        # of the batch's drafting (DraftPricing) and verification (the cost rule)
+        active = ~self.finished
+        tree, paused = self._draft(active)
+        if self.cost is not None and not paused:
+            tree = self._trim(tree, active)
+        raw, hidden, verify_seconds = self._verify(tree)
+        accepted = self._accept(tree, raw, active, paused)
+        if bool(self.finished.all()):  # the last round: nothing to commit (`finish` returns the cache as is)
+            self.last_round = (accepted.path_index, accepted.counts)
+            return
+        self._commit(tree, accepted, hidden)
+        if self.cost is not None:
+            round_seconds = time.perf_counter() - round_start
+            tokens = accepted.counts.sum()
+            self.cost.observe(tree, accepted.choice, round_seconds, tokens, verify_seconds)  # greedy: choice set
+            if self.drafter.may_pause and self.cost.live_scale:  # host times are real (CPU): reading costs nothing
+                self.cost.observe_rate(not paused, round_seconds, int(tokens))
+
+    def _draft(self, active: torch.Tensor) -> tuple:
+        """This round's tree, and whether drafting paused (the tree is the root alone)."""
+        drafter, buffer = self.drafter, self.buffer
+        # deepest useful draft: the bonus token needs one slot of the remaining budget; a finished row drafts
+        # nothing (its tokens are dropped, and nodes of it would weigh in the pricing of drafting and verification)
+        max_depth = (self.generation_config.max_length - buffer.lengths - 1).clamp_min(0)
         max_depth = torch.where(active, max_depth, 0)
-        draft_model_time = drafter.model_time
-        # (not for strategies that shape rounds by a per-round confidence, e.g. sage: its stats stay aligned)
-        paused = (block_drafter and cost is not None and strategy.round_confidence() is None
-                  and cost.pause_drafting())
+        model_time = drafter.model_time
+        paused = (drafter.may_pause and self.strategy.may_pause and self.cost is not None
+                  and self.cost.pause_drafting())
         if paused:  # drafting does not pay on this text now: verify the root alone (a plain step)
             tree = drafter.root_tree()
-            stats.paused_rounds += 1
+            self.stats.paused_rounds += 1
         else:
-            context = {"context": (buffer.ids, buffer.lengths, first_real)} if block_drafter else {"pricing": pricing}
-            tree = drafter.draft(strategy, process_draft if len(logits_processor) else None, max_depth,
-                                 sample=do_sample, **context)
-        elapsed = clock.lap()
-        stats.time_draft += drafter.model_time - draft_model_time
-        stats.time_tree += elapsed - (drafter.model_time - draft_model_time)
-        if cost is not None and not paused:  # verify only what pays for its marginal cost
-            drafted = tree.num_drafted()
-            tree = tree.subset(cost.prune(tree)[0])
-            trace.pruned += ((drafted - tree.num_drafted()) * active).sum()
-            stats.time_tree += clock.lap()
+            process = self._process_draft if len(self.logits_processor) else None
+            tree = drafter.draft(self.strategy, process, max_depth, sample=self.do_sample,
+                                 committed=(buffer.ids, buffer.lengths, self.first_real), pricing=self.pricing)
+        elapsed = self.clock.lap()
+        drafting = drafter.model_time - model_time
+        self.stats.time_draft += drafting
+        self.stats.time_tree += elapsed - drafting
+        return tree, paused
 
-        verify_model_time = target.model_time
-        if block_drafter:  # the target's states feed the drafter's context: same forward, no extra pass
-            with drafter.capture_context():
-                outputs = target.forward(tree.tokens, tree.parents, tree.valid, output_hidden_states=True)
-        else:
-            outputs = target.forward(tree.tokens, tree.parents, tree.valid)  # (B, N, V) logits, ONE forward
-        elapsed = clock.lap()
-        verify_seconds = target.model_time - verify_model_time
-        stats.time_verify += verify_seconds
-        stats.time_tree += elapsed - verify_seconds
+    def _process_draft(self, logits, paths, depths, valid):
+        return process_logits(self.logits_processor, self.buffer, paths, depths, logits, valid)
 
-        raw = outputs.logits.to(torch.float32)
-        verify_hidden = outputs.hidden_states if block_drafter else None
-        del outputs
+    def _trim(self, tree, active: torch.Tensor):
+        """Verify only what pays for its marginal cost (the cost rule)."""
+        drafted = tree.num_drafted()
+        tree = tree.subset(self.cost.prune(tree)[0])
+        self.trace.pruned += ((drafted - tree.num_drafted()) * active).sum()
+        self.stats.time_tree += self.clock.lap()
+        return tree
+
+    def _verify(self, tree) -> tuple:
+        """ONE target forward over the tree: `(logits (B, N, V) float32, hidden states or None, seconds)`."""
+        target, drafter = self.target, self.drafter
+        model_time = target.model_time
+        with drafter.verify_scope():  # the target's states feed a block drafter's context: same forward
+            outputs = target.forward(tree.tokens, tree.parents, tree.valid,
+                                     **({"output_hidden_states": True} if drafter.needs_target_states else {}))
+        elapsed = self.clock.lap()
+        seconds = target.model_time - model_time
+        self.stats.time_verify += seconds
+        self.stats.time_tree += elapsed - seconds
+        hidden = outputs.hidden_states if drafter.needs_target_states else None
+        return outputs.logits.to(torch.float32), hidden, seconds
+
+    def _accept(self, tree, raw: torch.Tensor, active: torch.Tensor, paused: bool) -> "_Accepted":
+        """The longest accepted path + bonus per row, appended, streamed and checked for stopping."""
         scores = raw
-        if len(logits_processor):
-            scores = process_logits(logits_processor, buffer, tree.path_tokens(), tree.depths, raw, tree.valid)
-        if do_sample:
+        if len(self.logits_processor):
+            scores = process_logits(self.logits_processor, self.buffer, tree.path_tokens(), tree.depths, raw,
+                                    tree.valid)
+        choice = None
+        if self.do_sample:
             path_index, accept_length, bonus = sample_accept(tree, torch.softmax(scores, dim=-1))
         else:
             choice = scores.argmax(-1)  # (B, N) the target's greedy token after each node
-            path_index, accept_length, bonus = ops.greedy_accept(
-                tree.tokens, tree.parents, tree.valid, choice, tree.num_levels
-            )
-        path_tokens = tree.tokens.gather(1, path_index[:, 1:])  # (B, D)
-        new_tokens = torch.cat([path_tokens, bonus[:, None]], dim=1)
+            path_index, accept_length, bonus = ops.greedy_accept(tree.tokens, tree.parents, tree.valid, choice,
+                                                                 tree.num_levels)
+        new_tokens = torch.cat([tree.tokens.gather(1, path_index[:, 1:]), bonus[:, None]], dim=1)
         new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
-        counts, done = stopper.cut(buffer, new_tokens, torch.where(active, accept_length + 1, 0))
+        counts, done = self.stopper.cut(self.buffer, new_tokens, torch.where(active, accept_length + 1, 0))
         counts = torch.where(active, counts, 0)
-        if want_scores or want_logits:
-            _record_scores(row_scores, row_logits, scores.gather(1, _expand(path_index, scores)),
-                           raw.gather(1, _expand(path_index, raw)), counts)
-        _emit(buffer, streamer, new_tokens, counts)
-        finished |= done & active
-        stats.rounds += 1
-        trace.record(active, tree.num_drafted(), accept_length, strategy.round_confidence())
+        if self.row_scores is not None or self.row_logits is not None:
+            scores, raw = scores.gather(1, _expand(path_index, scores)), raw.gather(1, _expand(path_index, raw))
+        self._emit(new_tokens, counts, scores, raw)
+        self.finished |= done & active
+        self.stats.rounds += 1
+        self.trace.record(active, tree.num_drafted(), accept_length, self.strategy.round_values())
         if not paused:  # a root-only round says nothing about the strategy's trees
-            strategy.observe(accept_length, active)
-        stats.time_accept += clock.lap()
+            self.strategy.observe(accept_length, active)
+        self.stats.time_accept += self.clock.lap()
+        return _Accepted(path_index, accept_length, bonus, counts, choice)
 
-        if bool(finished.all()):
-            break
-        keep = int(accept_length.max()) + 1
-        target.commit(path_index[:, :keep], torch.arange(keep, device=device)[None, :] <= accept_length[:, None])
-        if block_drafter:
-            drafter.commit(tree, verify_hidden, path_index, accept_length, bonus)
-            visual_before = drafter.visual_time
-            drafter.select_visual(path_index.gather(1, accept_length[:, None]).squeeze(1))
-            stats.time_visual += drafter.visual_time - visual_before
-        else:
-            drafter.commit(tree, path_index, accept_length, bonus)
-        del verify_hidden
-        stats.time_compact += clock.lap()
-        if cost is not None:
-            round_seconds = time.perf_counter() - round_start
-            cost.observe(tree, choice, round_seconds, counts.sum(), verify_seconds)  # greedy: choice is set
-            if block_drafter and cost.live_scale:  # host times are real here (CPU): reading counts costs nothing
-                cost.observe_rate(not paused, round_seconds, int(counts.sum()))
+    def _commit(self, tree, accepted: "_Accepted", hidden) -> None:
+        """Keep the accepted path in the target's cache and the drafter's state."""
+        keep = int(accepted.accept_length.max()) + 1
+        offsets = torch.arange(keep, device=self.device)[None, :]
+        self.target.commit(accepted.path_index[:, :keep], offsets <= accepted.accept_length[:, None])
+        visual_time = self.drafter.visual_time
+        self.drafter.finish_round(VerifiedRound(tree, accepted.path_index, accepted.accept_length, accepted.bonus,
+                                                hidden))
+        self.stats.time_visual += self.drafter.visual_time - visual_time
+        self.stats.time_compact += self.clock.lap()
 
-    if streamer is not None:
-        streamer.end()
-    if cost is not None:  # a stored cost curve that these rounds contradict is corrected for the next call
-        cost.refine_profile()
-    if pricing is not None:
-        stats.unpaid_levels = pricing.stopped_levels
-    trace.finish(stats)
-    stats.new_tokens = int((buffer.lengths - buffer.prompt_length).sum())
-    stats.time_total = time.perf_counter() - start_time
-    sequences = buffer.sequences()
-    if not return_dict:
-        return sequences
-    # the last round broke out before committing: its tree is still the cache's tail
-    last_round = (path_index, counts) if cache.get_seq_length() > target.committed_length else None
-    return SpecGenerateOutput(
-        sequences=sequences,
-        scores=_stack_steps(row_scores, buffer, sequences),
-        logits=_stack_steps(row_logits, buffer, sequences),
-        spec_stats=stats,
-        **{CACHE_FIELD: returned_cache(target, buffer, last_round)},
-    )
+    def _emit(self, tokens, counts, scores, raw) -> None:
+        """Append each row's first `counts` tokens, stream them, and record their scores / logits if asked."""
+        self.buffer.append(tokens, counts)
+        if self.streamer is not None and int(counts[0]) > 0:
+            self.streamer.put(tokens[:, : int(counts[0])].cpu())
+        if self.row_scores is None and self.row_logits is None:
+            return
+        for row, count in enumerate(counts.tolist()):
+            if self.row_scores is not None:
+                self.row_scores[row].extend(scores[row, :count])
+            if self.row_logits is not None:
+                self.row_logits[row].extend(raw[row, :count])
+
+    # ---- finish
+
+    def finish(self):
+        """What `generate` returns; a corrected cost curve is kept for the next call."""
+        stats, buffer = self.stats, self.buffer
+        if self.streamer is not None:
+            self.streamer.end()
+        if self.cost is not None:  # a stored cost curve that these rounds contradict is corrected for the next call
+            self.cost.refine_profile()
+        if self.pricing is not None:
+            stats.unpaid_levels = self.pricing.stopped_levels
+        self.trace.finish(stats)
+        stats.new_tokens = int((buffer.lengths - buffer.prompt_length).sum())
+        stats.time_total = time.perf_counter() - self.start_time
+        sequences = buffer.sequences()
+        if not self.generation_config.return_dict_in_generate:
+            return sequences
+        # a final round that ended the call was not committed: its tree is still the cache's tail
+        last_round = self.last_round if self.cache.get_seq_length() > self.target.committed_length else None
+        return SpecGenerateOutput(
+            sequences=sequences,
+            scores=_stack_steps(self.row_scores, buffer, sequences),
+            logits=_stack_steps(self.row_logits, buffer, sequences),
+            spec_stats=stats,
+            **{CACHE_FIELD: returned_cache(self.target, buffer, last_round)},
+        )
+
+
+@dataclass
+class _Accepted:
+    path_index: torch.Tensor  # (B, D + 1) accepted nodes, root first
+    accept_length: torch.Tensor  # (B,) accepted draft tokens
+    bonus: torch.Tensor  # (B,) the target's next token
+    counts: torch.Tensor  # (B,) tokens appended (0 for rows already finished)
+    choice: torch.Tensor | None  # (B, N) the target's greedy token after each node (greedy decoding)
 
 
 @contextlib.contextmanager
@@ -436,15 +454,16 @@ class _RoundTrace:
     """Per-round statistics kept on the device and read back once at the end (no host sync per round)."""
 
     def __init__(self):
-        self.active, self.drafted, self.accepted, self.confidence = [], [], [], []
+        self.active, self.drafted, self.accepted = [], [], []
+        self.values = {}  # name -> [(B,) per round]: what the strategy reports
         self.pruned = 0  # draft nodes trimmed by the cost model (a device scalar once a round adds to it)
 
-    def record(self, active, drafted, accepted, confidence):
+    def record(self, active, drafted, accepted, values: dict):
         self.active.append(active)
         self.drafted.append(drafted)
         self.accepted.append(accepted)
-        if confidence is not None:
-            self.confidence.append(confidence)
+        for name, value in values.items():
+            self.values.setdefault(name, []).append(value)
 
     def finish(self, stats: SpecStats) -> None:
         stats.pruned_tokens = int(self.pruned)
@@ -456,22 +475,7 @@ class _RoundTrace:
         stats.drafted_tokens = int(torch.stack(self.drafted).flatten()[active].sum())
         stats.accepted_tokens = int(accepted.sum())
         stats.accepted_lengths = accepted.tolist()
-        if self.confidence:
-            stats.sage_alphas = torch.stack(self.confidence).flatten()[active].tolist()
-
-
-def _emit(buffer, streamer, tokens, counts):
-    buffer.append(tokens, counts)
-    if streamer is not None and int(counts[0]) > 0:
-        streamer.put(tokens[:, : int(counts[0])].cpu())
-
-
-def _record_scores(row_scores, row_logits, scores, raw, counts):
-    for row, count in enumerate(counts.tolist()):
-        if row_scores is not None:
-            row_scores[row].extend(scores[row, :count])
-        if row_logits is not None:
-            row_logits[row].extend(raw[row, :count])
+        stats.round_values = {name: torch.stack(v).flatten()[active].tolist() for name, v in self.values.items()}
 
 
 def _stack_steps(per_row, buffer, sequences):

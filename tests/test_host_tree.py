@@ -39,7 +39,7 @@ def _scores(gen, depth, vocab, kind):
 def _draw(state, strategy, scores, max_depth, context, host):
     state.host_trees = host
     state.block_scores = lambda depth: (scores[:, :depth], None)
-    return state.draft(strategy, None, torch.tensor([max_depth]), context=context)
+    return state.draft(strategy, None, torch.tensor([max_depth]), committed=context)
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "sure"])

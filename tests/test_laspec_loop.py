@@ -26,7 +26,7 @@ def recorded(monkeypatch):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr("hf_adaptive_spec.loop.BlockDrafter", Recording)
+    monkeypatch.setattr("hf_adaptive_spec.drafters.factory.BlockDrafter", Recording)
     return made
 
 

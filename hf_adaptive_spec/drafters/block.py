@@ -27,6 +27,7 @@ import torch
 from ..lookup import add_chain, context_lookup, lookup_code, store_code
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
+from .base import Drafter, TargetPrefill, VerifiedRound
 from .host_tree import HostTree, budget_tree, latest_match
 from .levels import choose_level
 from ..attention import text_attention
@@ -60,7 +61,7 @@ def choose_visual_slots(queries: dict, store: VisualKeyStore, num_visual_tokens:
     return slots
 
 
-class BlockDrafter:
+class BlockDrafter(Drafter):
     """Runs a [`LaSpecDrafterModel`] inside the decoding loop.
 
     Args:
@@ -76,6 +77,10 @@ class BlockDrafter:
             greedy tree, as one more branch.
         datastore_tokens (`int`, *optional*): tokens on that branch (default: `lookup_tokens`).
     """
+
+    needs_target_states = True  # its context is the target's states, taken from the verification forward
+    may_pause = True
+    compact_weights = True
 
     def __init__(self, model: LaSpecDrafterModel, target, block_size: int | None = None,
                  num_visual_tokens: int | None = None, context_lookup: int = 0, lookup_tokens: int | None = None,
@@ -118,13 +123,25 @@ class BlockDrafter:
         # `host_tree`); False always takes the tensor path (tests compare the two)
         self.host_trees = True
 
+    # ---- the loop's steps (`Drafter`)
+
+    def start(self, prefill: TargetPrefill) -> None:
+        self.prefill(prefill.hidden_states, prefill.slot_valid, prefill.first_token)
+        self.setup_vision(prefill.hidden_states, prefill.cache)
+
+    def finish_round(self, verified: VerifiedRound) -> None:
+        """Extend the context with the accepted states; pick the next round's visual tokens."""
+        self.commit(verified.tree, verified.hidden_states, verified.path_index, verified.accept_length,
+                    verified.bonus)
+        self.select_visual(verified.path_index.gather(1, verified.accept_length[:, None]).squeeze(1))
+
     # ---- vision
 
     @property
     def uses_vision(self) -> bool:
         return self.visual_store is not None
 
-    def vision_context(self, input_ids):
+    def prefill_scope(self, input_ids):
         """Enter around the target's PREFILL: when the prompt has an image and the visual branch is live, the
         target's queries are captured from then on (the prompt's last query picks round 1's visual tokens)."""
         if self.num_visual_tokens <= 0 or not any(layer.visual_gate.abs().sum() > 0 for layer in self.model.layers):
@@ -147,7 +164,7 @@ class BlockDrafter:
         last = torch.full((self.image_mask.shape[0],), self.image_mask.shape[1] - 1, device=self.image_mask.device)
         self.select_visual(last)  # prompts are left-padded: the last slot is every row's last prompt token
 
-    def capture_context(self):
+    def verify_scope(self):
         """A context manager that records the target's queries during a forward (no-op without vision)."""
         return self.capture if self.uses_vision else nullcontext()
 
@@ -225,23 +242,24 @@ class BlockDrafter:
 
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
-              context: tuple | None = None) -> DraftTree:
-        """One round's tree (same contract as `IndependentDrafter.draft`); node 0 is the pending root.
+              committed: tuple | None = None, pricing=None) -> DraftTree:
+        """One round's tree (`Drafter.draft`); node 0 is the pending root. `pricing` is not read: one forward
+        drafts every level.
 
         `process` None means no logits processors: every node of a depth is then offered the same distribution,
         so under greedy drafting its top-k is computed once per depth, over the draft vocabulary only.
-        `context` `(ids (B, C), lengths (B,), start (B,))`: the committed rows, root included (see
+        `committed` `(ids (B, C), lengths (B,), start (B,))`: the committed rows, root included (see
         `lookup.context_lookup`); with `context_lookup` set, a greedy tree also gets the lookup chain.
         At batch 1, greedy, without processors and for a budget strategy, both are built on the host
         (`host_tree`: the same tree, without ~40 small tensor ops per level).
         """
         tree = self._draft_tree(strategy, process, max_depth, sample, generator)
-        lookup = self.context_lookup and context is not None and not sample
-        store = self.datastore is not None and context is not None and not sample
+        lookup = self.context_lookup and committed is not None and not sample
+        store = self.datastore is not None and committed is not None and not sample
         # the datastore's chain first, then the context's: a node both propose is learned as a context node
         if isinstance(tree, HostTree):
             if store or lookup:
-                ids, lengths, start = context
+                ids, lengths, start = committed
                 row = ids[0, int(start[0]):int(lengths[0])].tolist()
                 depth = max(int(max_depth[0]), 0)
             if store:
@@ -253,7 +271,7 @@ class BlockDrafter:
                 tree.add_chain(chain[:depth], lookup_code(match))
             return tree.to_draft_tree(self.root.device)
         if store or lookup:
-            ids, lengths, start = context
+            ids, lengths, start = committed
         if store:
             tokens, valid, _, codes = self.datastore.propose_batch(ids, lengths, start, self.datastore_tokens)
             valid &= torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= max_depth[:, None]
@@ -263,13 +281,6 @@ class BlockDrafter:
             valid &= torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= max_depth[:, None]
             tree = add_chain(tree, tokens, valid, lookup_code(match))
         return tree
-
-    def root_tree(self) -> DraftTree:
-        """A tree of the pending root alone: a round that verifies one token (drafting paused)."""
-        root = self.root[:, None]
-        ones, none = torch.ones_like(root, dtype=torch.float32), torch.full_like(root, -1)
-        return DraftTree(tokens=root, parents=none, valid=torch.ones_like(root, dtype=torch.bool), probs=ones,
-                         cum_probs=ones, depths=torch.zeros_like(root), drafter_slot=none, num_levels=0)
 
     def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree | HostTree:
         batch = self.root.shape[0]

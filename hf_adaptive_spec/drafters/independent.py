@@ -19,15 +19,19 @@ from ..runner import ModelRunner
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
 from ..windows import full_layer_cache
+from .base import Drafter, TargetPrefill, VerifiedRound
 from .levels import choose_level
 
 
-class IndependentDrafter:
+class IndependentDrafter(Drafter):
     """Drafts trees with any HF causal LM or VLM that shares the target's tokenizer.
 
     Args:
         model: the drafter model (`assistant_model`).
     """
+
+    prices_levels = True  # one forward per level: a level may stop where it no longer pays
+    tree_forwards = True
 
     def __init__(self, model):
         self.model = model
@@ -65,6 +69,16 @@ class IndependentDrafter:
         used = inputs.get("position_ids")
         self.runner = ModelRunner(model, cache, slot_valid, used if used is not None else position_ids)
 
+    def start(self, prefill: TargetPrefill) -> None:
+        """Prefill on the prompt; the first generated token is pending."""
+        self.prefill(prefill.input_ids, prefill.attention_mask, prefill.raw_inputs)
+        first = prefill.first_token[:, None]
+        self.set_pending(first, torch.ones_like(first, dtype=torch.bool))
+
+    @property
+    def root(self) -> torch.Tensor:
+        return self.pending[:, -1]
+
     @property
     def model_time(self) -> float:
         """Seconds spent inside the drafter's forwards so far."""
@@ -75,8 +89,8 @@ class IndependentDrafter:
 
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
-              pricing=None) -> DraftTree:
-        """Build one round's tree.
+              committed: tuple | None = None, pricing=None) -> DraftTree:
+        """Build one round's tree (`committed` is not read: this drafter proposes from its own forwards only).
 
         Args:
             strategy (`Strategy`): decides which candidates enter and grow.
@@ -161,6 +175,9 @@ class IndependentDrafter:
             frontier_slots = tail_length + torch.arange(chosen.num_grow, device=device)[None, :].expand(batch, -1)
         self._num_pending = num_pending
         return builder.build()
+
+    def finish_round(self, verified: VerifiedRound) -> None:
+        self.commit(verified.tree, verified.path_index, verified.accept_length, verified.bonus)
 
     def commit(self, tree: DraftTree, path_index: torch.Tensor, accept_length: torch.Tensor, bonus: torch.Tensor):
         """Keep the pending tokens and the accepted nodes the drafter processed; queue the rest.

@@ -77,6 +77,11 @@ class StrategyConfig:
         """Raise a `ValueError` naming the field if this (resolved) config asks for more candidates per node than
         a drafter with `vocab_size` tokens has."""
 
+    def block_drafter_options(self) -> dict:
+        """Keyword arguments for a LaSpec block drafter (`drafters.block.BlockDrafter`) drafting for this
+        strategy; empty: the drafter's own defaults (its block size and visual tokens, no extra branches)."""
+        return {}
+
     def to_dict(self) -> dict:
         """Every field by name, JSON-friendly (tuples become lists)."""
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}
@@ -171,6 +176,9 @@ class Strategy:
     name: str = ""
     config_class: type = StrategyConfig
     requires_block_drafter: bool = False  # True: only a LaSpecDrafterModel can draft for it
+    # False: every round must draft (a round that verifies the root alone, when drafting does not pay, would not
+    # follow the strategy's per-round state)
+    may_pause: bool = True
 
     def __init__(self, config: StrategyConfig, batch_size: int, device: torch.device):
         self.config = config
@@ -204,9 +212,10 @@ class Strategy:
         """Return `(take, expand)`, both `(B, F, K)` bool, for candidates with probs `(B, F, K)`."""
         raise NotImplementedError
 
-    def round_confidence(self) -> torch.Tensor | None:
-        """`(B,)` the confidence that shaped this round's trees, if the strategy has one (for stats)."""
-        return None
+    def round_values(self) -> dict:
+        """`{name: (B,) tensor}`: per-row values of this round that the strategy reports (collected into
+        `SpecStats.round_values`, aligned with its `accepted_lengths`); empty by default."""
+        return {}
 
     def observe(self, accept_length: torch.Tensor, active: torch.Tensor) -> None:
         """Called after verification with accepted draft tokens per row `(B,)` and active rows `(B,)`."""

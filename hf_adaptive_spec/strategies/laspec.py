@@ -68,6 +68,11 @@ class LaSpecConfig(StrategyConfig):
         check_bool(self, "verify_cost")
         check_bool(self, "datastore")
 
+    def block_drafter_options(self):
+        return {"block_size": self.block_size, "num_visual_tokens": self.num_visual_tokens,
+                "context_lookup": self.context_lookup, "lookup_tokens": self.lookup_tokens,
+                "datastore": self.datastore, "datastore_tokens": self.datastore_tokens}
+
     def check_vocab(self, vocab_size):
         if self.top_k is not None and self.top_k > vocab_size:
             raise ValueError(

@@ -114,6 +114,7 @@ class SageConfig(StrategyConfig):
 class SageStrategy(Strategy):
     name = "sage"
     config_class = SageConfig
+    may_pause = False  # each round's root confidence plans a tree (the next round's, by default)
 
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
@@ -147,8 +148,8 @@ class SageStrategy(Strategy):
             self.next_alpha = confidence
         self.nodes_used.zero_()
 
-    def round_confidence(self):
-        return self.alpha
+    def round_values(self):
+        return {"alpha": self.alpha}  # the confidence that shaped each row's tree
 
     def select(self, level, frontier, candidate_probs):
         c = self.config

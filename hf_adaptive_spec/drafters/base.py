@@ -1,0 +1,133 @@
+"""What the decoding loop asks of a drafter: one interface that the independent drafter (any HF model) and the
+LaSpec block drafter both implement.
+
+A round, as the loop runs it::
+
+    with drafter.prefill_scope(input_ids):     # around the target's prefill (e.g. capture its queries)
+        outputs = target prefill                # with hidden states if drafter.needs_target_states
+    drafter.start(TargetPrefill(...))           # the drafter's own prefill
+    loop:
+        tree = drafter.draft(strategy, ...)     # DraftTree, node 0 = the pending root
+        with drafter.verify_scope():            # around the target's verification forward
+            outputs = target tree forward
+        drafter.finish_round(VerifiedRound(...))  # keep what was accepted
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from ..tree import DraftTree
+
+__all__ = ["Drafter", "TargetPrefill", "VerifiedRound"]
+
+
+@dataclass
+class TargetPrefill:
+    """What the target's prefill gave, for the drafter's own prefill.
+
+    Fields:
+        input_ids (`(B, S)`): the prompt (left-padded).
+        attention_mask (`(B, S)` or None): as `generate` passed it.
+        slot_valid (`(B, S)` bool): True at real (not padding) prompt slots.
+        raw_inputs (dict): the processor's other inputs (pixel values, image grids) for a VLM drafter.
+        cache: the target's KV cache after the prefill.
+        hidden_states (tuple or None): the target's hidden states, if the drafter `needs_target_states`.
+        first_token (`(B,)`): the first generated token, the pending root of round 1.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    slot_valid: torch.Tensor
+    raw_inputs: dict
+    cache: object
+    hidden_states: tuple | None
+    first_token: torch.Tensor
+
+
+@dataclass
+class VerifiedRound:
+    """One verified round, for `Drafter.finish_round`.
+
+    Fields:
+        tree (`DraftTree`): the tree the target verified.
+        path_index (`(B, D + 1)`): the accepted nodes, root first.
+        accept_length (`(B,)`): accepted draft tokens per row.
+        bonus (`(B,)`): the target's next token per row (the next pending root).
+        hidden_states (tuple or None): the target's hidden states at every tree node, if the drafter
+            `needs_target_states`.
+    """
+
+    tree: DraftTree
+    path_index: torch.Tensor
+    accept_length: torch.Tensor
+    bonus: torch.Tensor
+    hidden_states: tuple | None = None
+
+
+class Drafter:
+    """Base class of the loop's drafters.
+
+    Class attributes (what the loop arranges around the drafter):
+        needs_target_states: the target's prefill and verification forwards return hidden states for it.
+        may_pause: a round may verify the pending root alone when drafting does not pay (the cost rule's
+            `pause_drafting`; its rates are then observed every round).
+        prices_levels: drafting runs one forward per tree level, so a greedy cost-aware round may stop
+            expanding levels that do not pay (`cost.DraftPricing`).
+        compact_weights: on a CPU its linear layers read bf16 copies of their weights (drafts only).
+        tree_forwards: its own forwards run under tree masks (tree attention is installed on it too).
+    """
+
+    needs_target_states: bool = False
+    may_pause: bool = False
+    prices_levels: bool = False
+    compact_weights: bool = False
+    tree_forwards: bool = False
+
+    model = None  # the drafter's nn.Module
+    root: torch.Tensor | None = None  # (B,) the pending root: the target's last token, which the next tree grows from
+    model_time: float = 0.0  # seconds inside the drafter's forwards so far
+    visual_time: float = 0.0  # seconds selecting visual tokens so far
+
+    def prefill_scope(self, input_ids: torch.Tensor):
+        """A context manager entered around the target's prefill."""
+        return nullcontext()
+
+    def start(self, prefill: TargetPrefill) -> None:
+        """The drafter's own prefill, from the prompt and what the target's prefill gave."""
+        raise NotImplementedError
+
+    def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
+              committed: tuple | None = None, pricing=None) -> DraftTree:
+        """One round's tree; node 0 is the pending root.
+
+        Args:
+            strategy (`Strategy`): decides which candidates enter and grow.
+            process (callable or None): `process(logits (B, X, V), paths (B, X, D), depths (B, X), valid (B, X))`
+                applies generate's logits processors with each node's own prefix; None when there are none.
+            max_depth (`(B,)`): deepest level each row may draft (0: the row drafts nothing).
+            sample (`bool`): draw children from the drafter's distribution (else take the top-k).
+            generator (`torch.Generator`, *optional*): randomness for sampling.
+            committed (tuple, *optional*): `(ids (B, C), lengths (B,), start (B,))`, the committed rows, root
+                included (the loop's sequence buffer), for drafters that also propose from the context.
+            pricing (`cost.DraftPricing`, *optional*): for drafters that `prices_levels`.
+        """
+        raise NotImplementedError
+
+    def root_tree(self) -> DraftTree:
+        """A tree of the pending root alone: a round that verifies one token (drafting paused)."""
+        root = self.root[:, None]
+        ones, none = torch.ones_like(root, dtype=torch.float32), torch.full_like(root, -1)
+        return DraftTree(tokens=root, parents=none, valid=torch.ones_like(root, dtype=torch.bool), probs=ones,
+                         cum_probs=ones, depths=torch.zeros_like(root), drafter_slot=none, num_levels=0)
+
+    def verify_scope(self):
+        """A context manager entered around the target's verification forward."""
+        return nullcontext()
+
+    def finish_round(self, verified: VerifiedRound) -> None:
+        """Keep the accepted path; the bonus token becomes the pending root."""
+        raise NotImplementedError
