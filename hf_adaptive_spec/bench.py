@@ -48,14 +48,14 @@ import shlex
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from . import bench_vision
+from . import bench_vision, loading
+from .drafters.quantize import quantize_drafter
 from .ops import cpu_linear
 from .scenes_vlm import SCENES_VLM
 
@@ -297,13 +297,6 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
     return methods
 
 
-def is_laspec_drafter(name: str) -> bool:
-    """True for a shipped LaSpec drafter name or a folder holding one."""
-    from .drafters.hub import SHIPPED_DRAFTERS, is_laspec_folder
-
-    return name in SHIPPED_DRAFTERS or is_laspec_folder(Path(name).expanduser())
-
-
 def _default_strategies(laspec: bool) -> list:
     """Every registered strategy the drafter kind can serve (block-drafter-only ones need a LaSpec drafter)."""
     from .strategies import STRATEGIES
@@ -416,44 +409,11 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def load_model(name: str, args, role: str) -> tuple:
-    """`(model, processor)` from a registry name (`hf_adaptive_spec.models`), ``scenes-vlm-135m`` or a local HF
-    folder, in eval mode on `args.device` with `args.dtype`.
-
-    A folder whose config has a ``vision_config`` loads as a VLM (``AutoModelForImageTextToText`` and
-    ``AutoProcessor``); text models load with their tokenizer (`bench_vision.text_tokenizer` gives the
-    tokenizer of either).
-    """
-    from . import models
-
-    dtype = getattr(torch, args.dtype)
-    path = Path(name).expanduser()
-    if not path.is_dir() and name == SCENES_VLM:
-        from .scenes_vlm import fetch_scenes_vlm
-
-        path = fetch_scenes_vlm(progress=not getattr(args, "no_progress", False))
-    if path.is_dir():
-        from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
-                                  AutoTokenizer)
-
-        if hasattr(AutoConfig.from_pretrained(str(path)), "vision_config"):
-            model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
-            processor = AutoProcessor.from_pretrained(str(path))
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-            processor = AutoTokenizer.from_pretrained(str(path))
-    elif name in models.REGISTRY:
-        model, processor = models.load(name, dtype=dtype)
-    else:
-        raise ValueError(f"--{role} {name!r} is neither a local folder nor a registered model "
-                         f"({', '.join(models.list_models() + [SCENES_VLM])}).")
-    return model.to(_resolve_device(args.device)).eval(), processor
-
-
-def _quantize_int8(model):
-    """Dynamic int8 Linear layers (weights int8, activations quantized on the fly; CPU kernels)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notices
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8).eval()
+    """`(model, processor)` from a registry name, ``scenes-vlm-135m`` or a local HF folder
+    (`loading.load_model`), on `args.device` with `args.dtype`; `role` names the option in an error."""
+    model, processor = loading.load_model(name, args.dtype, progress=not getattr(args, "no_progress", False),
+                                          option=f"--{role}")
+    return model.to(_resolve_device(args.device)), processor
 
 
 def _default_prompt_loader(dataset: str, limit: Optional[int]) -> list:
@@ -506,7 +466,7 @@ def _prelude(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    laspec = is_laspec_drafter(args.drafter)
+    laspec = loading.is_laspec(args.drafter)
     _check_drafter_options(args, laspec)
     build_methods(args, device)  # validate every option before loading anything
 
@@ -563,7 +523,7 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
     else:
         drafter, _ = model_loader(args.drafter, args, "drafter")
     if args.drafter_int8:
-        drafter = _quantize_int8(drafter)
+        drafter = quantize_drafter(drafter)
     load_seconds = time.perf_counter() - load_start
     methods = build_methods(args, device, drafter)
     pad_token_id = getattr(tokenizer, "pad_token_id", None)

@@ -71,7 +71,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import bench, bench_vision
+from . import bench, bench_vision, loading
+from .drafters.quantize import quantize_drafter
 
 __all__ = [
     "ARRIVAL_KINDS",
@@ -723,7 +724,7 @@ def _prelude(args, prompt_loader) -> tuple:
         if args.max_batch < 1:
             raise ValueError("--max-batch must be >= 1.")
     device = bench._resolve_device(args.device)
-    laspec = bench.is_laspec_drafter(args.drafter)
+    laspec = loading.is_laspec(args.drafter)
     if args.drafter_int8 and laspec:
         raise ValueError("--drafter-int8 quantizes an independent drafter model; a LaSpec drafter is one small "
                          "forward per round (leave it out).")
@@ -766,7 +767,7 @@ def _load_models(args, laspec: bool, model_loader) -> tuple:
     else:
         drafter, _ = (model_loader or bench.load_model)(args.drafter, args, "drafter")
     if args.drafter_int8:
-        drafter = bench._quantize_int8(drafter)
+        drafter = quantize_drafter(drafter)
     return target, tokenizer, drafter, time.perf_counter() - start
 
 

@@ -28,21 +28,22 @@ def _worker(options: dict) -> dict:
 
     import torch
 
-    from . import bench
+    from . import bench, loading
+    from .drafters.quantize import quantize_drafter
     from .prepare import prepare
 
     args = argparse.Namespace(**options["args"])
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer = bench.load_model(args.target, args, "target")
-    if bench.is_laspec_drafter(args.drafter):
+    if loading.is_laspec(args.drafter):
         from .drafters.hub import load_drafter
 
         drafter = load_drafter(args.drafter, target)
     else:
         drafter, _ = bench.load_model(args.drafter, args, "drafter")
         if args.drafter_int8:
-            drafter = bench._quantize_int8(drafter)
+            drafter = quantize_drafter(drafter)
     prompt = options["prompt"]
     inputs = bench.encode_prompt(tokenizer, prompt["messages"], target.device)
     strategy, config = options["strategy"], options["spec_config"]

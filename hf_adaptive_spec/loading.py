@@ -16,9 +16,10 @@ def model_names() -> list:
     return sorted(list_models() + [SCENES_VLM])
 
 
-def resolve_path(name_or_path: str, progress: bool = True) -> Path:
+def resolve_path(name_or_path: str, progress: bool = True, option: str | None = None) -> Path:
     """A local HF folder, or a registry name fetched (once) into the cache (the scenes VLM: assembled from
-    SmolLM2 and its shipped vision tower)."""
+    SmolLM2 and its shipped vision tower). An unknown name exits with a message (naming `option`, e.g.
+    ``--target``, when given)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -30,16 +31,17 @@ def resolve_path(name_or_path: str, progress: bool = True) -> Path:
     if name_or_path == SCENES_VLM:
         return fetch_scenes_vlm(progress=progress)
     raise SystemExit(
-        f"{name_or_path!r} is neither a local model folder nor a registry name ({', '.join(model_names())})."
+        f"{option + ' ' if option else ''}{name_or_path!r} is neither a local model folder nor a registry name ({', '.join(model_names())})."
     )
 
 
-def load_model(name_or_path: str, dtype: str = "float32"):
-    """Load a causal LM or a VLM (with its processor or tokenizer) from a folder or registry name."""
+def load_model(name_or_path: str, dtype: str = "float32", progress: bool = True, option: str | None = None):
+    """Load a causal LM or a VLM (with its processor or tokenizer) from a folder or registry name, in eval mode
+    (`resolve_path` for `progress` and `option`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    path = resolve_path(name_or_path)
+    path = resolve_path(name_or_path, progress=progress, option=option)
     config = AutoConfig.from_pretrained(path)
     torch_dtype = getattr(torch, dtype)
     if hasattr(config, "vision_config"):
