@@ -16,6 +16,7 @@ from .drafters.laspec import (
     register_auto_classes,
 )
 from .drafters.hub import list_drafters, load_drafter, push_drafter_to_hub
+from .cost import SpecCalibration
 from .datastore import TokenDatastore
 from .drafters.quantize import quantize_drafter
 from .integration import install, is_installed, uninstall
@@ -53,6 +54,7 @@ __all__ = [
     "ChainConfig",
     "LaSpecConfig",
     "SageConfig",
+    "SpecCalibration",
     "SpecGenerateOutput",
     "SpecStats",
     "StaticTreeConfig",

@@ -55,6 +55,7 @@ from typing import Callable, Optional
 import torch
 
 from . import bench_vision, loading
+from .cost import SpecCalibration
 from .drafters.quantize import quantize_drafter
 from .ops import cpu_linear
 from .scenes_vlm import SCENES_VLM
@@ -225,6 +226,7 @@ class Method:
         resolved: the effective settings, for the report.
         strategy: the `spec_strategy` a spec method runs (default: `name`).
         visual_tokens: M of a `--visual-tokens` sweep method, else None.
+        calibration: what the cost rule learns (spec only), carried from one of this method's calls to the next.
     """
 
     name: str
@@ -234,6 +236,7 @@ class Method:
     resolved: dict = field(default_factory=dict)
     strategy: Optional[str] = None
     visual_tokens: Optional[int] = None
+    calibration: SpecCalibration = field(default_factory=SpecCalibration, repr=False, compare=False)
 
     def __post_init__(self):
         if self.strategy is None:
@@ -379,7 +382,7 @@ def run_method(method: Method, target, drafter, inputs: dict, max_new_tokens: in
         for key, value in (method.drafter_settings or {}).items():
             setattr(drafter.generation_config, key, value)
     elif method.kind == "spec":
-        kwargs.update(assistant_model=drafter, spec_strategy=method.strategy)
+        kwargs.update(assistant_model=drafter, spec_strategy=method.strategy, spec_calibration=method.calibration)
         if method.spec_config is not None:
             kwargs["spec_config"] = dict(method.spec_config)
     elif method.kind != "plain":

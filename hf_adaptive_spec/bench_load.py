@@ -65,13 +65,14 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import bench, bench_vision, loading
+from .cost import SpecCalibration
 from .drafters.quantize import quantize_drafter
 
 __all__ = [
@@ -123,6 +124,7 @@ class LoadMethod:
         strategy: the `spec_strategy` (None for plain).
         spec_config: the strategy's `spec_config` dict (None for plain).
         size: draft nodes per round of a fixed structure (k of a chain, n of a tree); None otherwise.
+        calibration: what the cost rule learns, carried from one of this method's calls to the next.
     """
 
     name: str
@@ -130,13 +132,15 @@ class LoadMethod:
     strategy: Optional[str] = None
     spec_config: Optional[dict] = None
     size: Optional[int] = None
+    calibration: SpecCalibration = field(default_factory=SpecCalibration, repr=False, compare=False)
 
     def generate_kwargs(self, drafter) -> dict:
         """The speculative `generate` arguments of this method (none for plain)."""
         if self.family == "plain":
             return {}
         return {"assistant_model": drafter, "spec_strategy": self.strategy,
-                "spec_config": None if self.spec_config is None else dict(self.spec_config)}
+                "spec_config": None if self.spec_config is None else dict(self.spec_config),
+                "spec_calibration": self.calibration}
 
     def to_dict(self) -> dict:
         return {"family": self.family, "strategy": self.strategy, "spec_config": bench._jsonable(self.spec_config),

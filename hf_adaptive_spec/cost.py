@@ -44,7 +44,7 @@ from .strategies.base import descending_rank
 
 __all__ = ["AcceptanceCalibrator", "Calibration", "CostModel", "CostProfile", "DraftPricing", "LookupCalibrator",
            "choose_prefix",
-           "measure_cost_curve", "measure_verifier_cost", "prior_profile", "refine_profile", "shared_calibration",
+           "measure_cost_curve", "measure_verifier_cost", "prior_profile", "refine_profile", "SpecCalibration",
            "verifier_cost_profile"]
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
@@ -407,11 +407,8 @@ def choose_prefix_host(pi: list[float], costs: list[float], seconds_per_token: f
 
 @dataclass
 class Calibration:
-    """What the cost rule learns online: drafter and lookup acceptance, and the profile's live scale.
-
-    Kept across `generate` calls for the same drafter and verifier setting (`shared_calibration`): one answer
-    gives a few dozen rounds, too few to learn per-bin acceptance from the priors each time.
-    """
+    """What the cost rule learns online in one setting (drafter, strategy, verifier): drafter and lookup
+    acceptance, and the profile's live scale."""
 
     acceptance: AcceptanceCalibrator
     lookup: LookupCalibrator
@@ -420,20 +417,44 @@ class Calibration:
 
     @classmethod
     def fresh(cls, device=None) -> "Calibration":
-        return cls(AcceptanceCalibrator(device=device), LookupCalibrator(device=device))
-
-
-_CALIBRATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter -> {key: Calibration}
-
-
-def shared_calibration(drafter, key: str, device) -> Calibration:
-    """The `Calibration` of `drafter` (a module) for setting `key` (strategy, verifier profile key), made on
-    first use and forgotten with the drafter."""
-    per_drafter = _CALIBRATIONS.setdefault(drafter, {})
-    if key not in per_drafter:
         with torch.inference_mode(False):  # ordinary tensors: updated in place by later calls in any mode
-            per_drafter[key] = Calibration.fresh(device)
-    return per_drafter[key]
+            return cls(AcceptanceCalibrator(device=device), LookupCalibrator(device=device))
+
+
+class SpecCalibration:
+    """What the cost rule learns across `generate` calls, in an object the caller owns.
+
+    One answer gives a few dozen rounds, too few to learn the per-bin acceptance of the drafter's probabilities
+    from the priors each time. Pass the same object to several calls (``generate(...,
+    spec_calibration=calibration)``) and each continues from what the earlier ones learned, per drafter and per
+    setting (strategy, verifier cost profile); a call without one starts from the priors and keeps nothing.
+    Only the size of what is verified depends on it, never a token (greedy outputs equal plain greedy either
+    way). `reset()` forgets everything; a drafter's entries go with the drafter.
+
+    Examples:
+        >>> calibration = hf_adaptive_spec.SpecCalibration()  # doctest: +SKIP
+        >>> for inputs in requests:  # doctest: +SKIP
+        ...     target.generate(**inputs, assistant_model=drafter, spec_strategy="sage",
+        ...                     spec_calibration=calibration)
+    """
+
+    def __init__(self):
+        self._per_drafter = weakref.WeakKeyDictionary()  # drafter module -> {setting: Calibration}
+
+    def get(self, drafter, setting: str, device) -> Calibration:
+        """The `Calibration` of `drafter` (a module) in `setting`, made on first use."""
+        per_drafter = self._per_drafter.setdefault(drafter, {})
+        if setting not in per_drafter:
+            per_drafter[setting] = Calibration.fresh(device)
+        return per_drafter[setting]
+
+    def settings(self) -> list:
+        """The settings learned so far, over all drafters still alive."""
+        return [setting for per_drafter in self._per_drafter.values() for setting in per_drafter]
+
+    def reset(self) -> None:
+        """Forget everything learned."""
+        self._per_drafter = weakref.WeakKeyDictionary()
 
 
 class CostModel:

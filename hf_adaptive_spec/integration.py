@@ -42,6 +42,7 @@ import inspect
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
+from .cost import SpecCalibration
 from .loop import speculative_decode
 from .strategies import get_strategy_class, resolve_config
 
@@ -93,10 +94,17 @@ def _vocab_size(model) -> int | None:
 
 
 def _generate(self, *args, **kwargs):
+    calibration = kwargs.pop("spec_calibration", None)
+    if calibration is not None and not isinstance(calibration, SpecCalibration):
+        raise ValueError(f"spec_calibration must be a hf_adaptive_spec.SpecCalibration, got "
+                         f"{type(calibration).__name__}.")
     call = _call_arguments(args, kwargs)
     if call is None:
         return _ORIGINALS["generate"](self, *args, **kwargs)
     strategy, source = _setting(self, call, "spec_strategy")
+    speculative = strategy is not None and not (source == "model" and call.get("assistant_model") is None)
+    if calibration is not None and not speculative:
+        raise ValueError("spec_calibration is for speculative calls: pass spec_strategy=... and assistant_model=....")
     if strategy is None:
         return _ORIGINALS["generate"](self, *args, **kwargs)
     if source == "model" and call.get("assistant_model") is None:
@@ -114,7 +122,7 @@ def _generate(self, *args, **kwargs):
     resolved = resolve_config(strategy, spec_config, self.device)  # bad settings fail before any decoding
     if vocab_size is not None:
         resolved.check_vocab(vocab_size)
-    token = _REQUEST.set({"raw_inputs": dict(kwargs), "drop_spec_config": dropped})
+    token = _REQUEST.set({"raw_inputs": dict(kwargs), "drop_spec_config": dropped, "calibration": calibration})
     try:
         return _ORIGINALS["generate"](self, *args, **kwargs)
     finally:
@@ -147,7 +155,8 @@ def _assisted_decoding(
     return speculative_decode(
         self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
         assistant_model=assistant_model, tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
-        raw_inputs=request.get("raw_inputs"), synced_gpus=synced_gpus, **model_kwargs,
+        raw_inputs=request.get("raw_inputs"), synced_gpus=synced_gpus, spec_calibration=request.get("calibration"),
+        **model_kwargs,
     )
 
 

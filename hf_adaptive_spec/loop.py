@@ -19,7 +19,7 @@ from . import ops
 from .acceptance import sample_accept
 from .attention import tree_attention
 from .compat import cache_from_kwargs, check_cache, check_model, check_pair
-from .cost import CostModel, DraftPricing, shared_calibration, verifier_cost_profile
+from .cost import CostModel, DraftPricing, SpecCalibration, verifier_cost_profile
 from .drafters.base import TargetPrefill, VerifiedRound
 from .drafters.factory import make_drafter
 from .final_cache import CACHE_FIELD, returned_cache
@@ -158,17 +158,19 @@ def _validate(model, input_ids, generation_config, streamer, assistant_model, to
 @torch.no_grad()
 def speculative_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                        streamer=None, assistant_model=None, tokenizer=None, assistant_tokenizer=None,
-                       raw_inputs: dict | None = None, synced_gpus: bool = False, **model_kwargs):
+                       raw_inputs: dict | None = None, synced_gpus: bool = False,
+                       spec_calibration: SpecCalibration | None = None, **model_kwargs):
     """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
 
     Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
-    `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`).
+    `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`). `spec_calibration`: what
+    the cost rule learned in earlier calls, continued here (`cost.SpecCalibration`); None: from the priors.
     """
     with contextlib.ExitStack() as scope:  # what the call enters (drafter attachment, kernels), closed on any exit
         cache = _validate(model, input_ids, generation_config, streamer, assistant_model, tokenizer,
                           assistant_tokenizer, synced_gpus, model_kwargs)
         run = _Decoding(scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
-                        streamer, assistant_model, model_kwargs)
+                        streamer, assistant_model, model_kwargs, spec_calibration)
         run.prefill(raw_inputs or {})
         run.start_rounds()
         while not bool(run.finished.all()):
@@ -181,8 +183,9 @@ class _Decoding:
     = draft -> trim -> verify -> accept -> commit, finish)."""
 
     def __init__(self, scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
-                 streamer, assistant_model, model_kwargs):
+                 streamer, assistant_model, model_kwargs, calibration=None):
         self.start_time = time.perf_counter()
+        self.calibration = calibration
         self.scope, self.model, self.cache, self.input_ids = scope, model, cache, input_ids
         self.logits_processor, self.generation_config, self.streamer = logits_processor, generation_config, streamer
         self.assistant_model, self.model_kwargs = assistant_model, model_kwargs
@@ -264,7 +267,10 @@ class _Decoding:
                 or tensor_parallel(self.model, self.assistant_model)):
             return
         profile = verifier_cost_profile(self.target)
-        calibration = shared_calibration(self.assistant_model, f"{self.strategy.name}|{profile.key}", self.device)
+        calibration = None
+        if self.calibration is not None:
+            calibration = self.calibration.get(self.assistant_model, f"{self.strategy.name}|{profile.key}",
+                                               self.device)
         self.cost = CostModel(profile, max_tokens=256, device=self.device, calibration=calibration)
         if self.drafter.prices_levels and self.cost.live_scale:  # drafting is priced too (host times are real)
             self.pricing = DraftPricing(self.cost)

@@ -1,5 +1,6 @@
 """The verifier cost profile and the marginal-cost rule (hf_adaptive_spec.cost)."""
 
+import gc
 import json
 
 import pytest
@@ -188,9 +189,10 @@ def test_measured_verification_times_rescale_the_profile():
     assert not CostModel(slow, max_tokens=8, device="meta").live_scale
 
 
-def test_calibration_is_kept_across_generate_calls_of_one_drafter(monkeypatch):
+def test_calibration_is_kept_across_generate_calls_only_by_the_callers_object(monkeypatch):
     """What the cost rule learned (acceptance per bin, lookup acceptance, live scale) carries over to the next
-    call with the same drafter and setting; another drafter, or another profile's scale, starts fresh."""
+    call only through a `SpecCalibration` the caller passes, per drafter and setting; without one every call
+    starts from the priors; `reset` forgets; another profile's scale starts fresh."""
     target = build_model("llama")
     drafter = build_drafter("llama", target, "small")
     inputs = make_inputs("llama", batch_size=1)
@@ -206,22 +208,47 @@ def test_calibration_is_kept_across_generate_calls_of_one_drafter(monkeypatch):
     monkeypatch.setattr(CostModel, "__init__", init)
     config = SageConfig(verify_cost=True)
     expected = target.generate(**inputs, max_new_tokens=12, do_sample=False)
-    for _ in range(2):
-        out = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=drafter,
-                              spec_strategy="sage", spec_config=config)
+
+    def spec(**kwargs):
+        out = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=kwargs.pop("drafter", drafter),
+                              spec_strategy="sage", spec_config=config, **kwargs)
         assert torch.equal(out, expected)
-    first, second = made
+        return made[-1]
+
+    prior = float(AcceptanceCalibrator().total.sum())
+    alone = [spec(), spec()]  # no object: nothing persists
+    assert alone[0].calibration is not alone[1].calibration
+    assert float(alone[1].calibrator.total.sum()) > prior  # it learned within its call, from the priors
+
+    calibration = cost.SpecCalibration()
+    first, second = spec(spec_calibration=calibration), spec(spec_calibration=calibration)
     assert second.calibrator is first.calibrator and second.calibration is first.calibration
     seen = float(first.calibrator.total.sum())
-    assert seen > 20 * 2.0  # priors (2 pseudo-counts per bin) plus the verified nodes of both calls
+    assert seen > float(alone[1].calibrator.total.sum())  # the verified nodes of both calls
     assert first.scale != 1.0  # real forwards take milliseconds, not the profile's seconds
-    other = build_drafter("llama", target, "small")
-    target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=other, spec_strategy="sage",
-                    spec_config=config)
-    assert made[-1].calibrator is not first.calibrator
+    assert calibration.settings() == [f"sage|{profile.key}"]
+    second_drafter = build_drafter("llama", target, "small")
+    other = spec(spec_calibration=calibration, drafter=second_drafter)
+    assert other.calibrator is not first.calibrator and len(calibration.settings()) == 2
+    del second_drafter, other, made[-1]
+    gc.collect()
+    assert len(calibration.settings()) == 1  # a drafter's entries go with the drafter
+    calibration.reset()
+    assert calibration.settings() == [] and spec(spec_calibration=calibration).calibrator is not first.calibrator
     scale = first.scale
     fresh = CostModel(CostProfile(sizes=[1], seconds=[2.0]), max_tokens=8, device="cpu", calibration=first.calibration)
     assert fresh.scale == 1.0 and fresh.calibrator is first.calibrator and scale != 1.0
+
+
+def test_spec_calibration_is_checked():
+    target = build_model("llama")
+    drafter = build_drafter("llama", target, "small")
+    inputs = make_inputs("llama", batch_size=1)
+    with pytest.raises(ValueError, match="SpecCalibration"):
+        target.generate(**inputs, max_new_tokens=2, assistant_model=drafter, spec_strategy="sage",
+                        spec_calibration={})
+    with pytest.raises(ValueError, match="spec_calibration is for speculative calls"):
+        target.generate(**inputs, max_new_tokens=2, spec_calibration=cost.SpecCalibration())
 
 
 @pytest.mark.measured_cost
