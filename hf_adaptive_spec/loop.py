@@ -23,6 +23,7 @@ from .cost import CostModel, DraftPricing, SpecCalibration, verifier_cost_profil
 from .drafters.base import TargetPrefill, VerifiedRound
 from .drafters.factory import make_drafter
 from .final_cache import CACHE_FIELD, returned_cache
+from .lean import use_lean_forward
 from .ops import cpu_linear
 from .placement import execution_device, tensor_parallel
 from .processors import SequenceBuffer, StopChecker, process_logits
@@ -193,6 +194,7 @@ class _Decoding:
         self.strategy_class = get_strategy_class(name)
         self.config = resolve_config(name, getattr(generation_config, "spec_config", None),
                                      execution_device(model, input_ids.device))
+        self._enter_runtime_settings()
         self.drafter = make_drafter(assistant_model, model, self.strategy_class, self.config, scope)
         self.batch_size, self.device = input_ids.shape[0], input_ids.device
         self.do_sample = bool(generation_config.do_sample)
@@ -209,6 +211,15 @@ class _Decoding:
         self.trace = _RoundTrace()
         self.strategy = self.target = self.cost = self.pricing = None
         self.last_round = None  # (path_index, counts) of a final round that ended the call before its commit
+
+    def _enter_runtime_settings(self) -> None:
+        """The config's runtime settings, for this call (those left None follow the caller's context)."""
+        config = self.config
+        settings = ((config.lean_forward, use_lean_forward), (config.cpu_kernels, cpu_linear.use_cpu_kernels),
+                    (config.compact_weights, cpu_linear.use_compact_weights))
+        for value, setting in settings:
+            if value is not None:
+                self.scope.enter_context(setting(value))
 
     # ---- prefill
 

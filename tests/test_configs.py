@@ -79,6 +79,11 @@ BAD_VALUES = [
     (LaSpecConfig, "datastore_tokens", None, TypeError),
     (LaSpecConfig, "datastore_tokens", 0, ValueError),
 ]
+# the runtime settings every strategy takes
+BAD_VALUES += [(config_class, name, value, TypeError)
+               for config_class in (ChainConfig, StaticTreeConfig, SageConfig, LaSpecConfig)
+               for name, value in (("cpu_kernels", "no"), ("compact_weights", 1), ("lean_forward", "yes"),
+                                   ("host_trees", None))]
 
 
 @pytest.mark.parametrize("config_class, name, value, error", BAD_VALUES,
@@ -185,7 +190,8 @@ def test_to_dict_from_dict_round_trip_through_json(config):
 
 def test_static_tree_paths_come_back_as_tuples():
     values = json.loads(json.dumps(StaticTreeConfig(paths=[(0,), (0, 1), (0, 0)]).to_dict()))
-    assert values == {"paths": [[0], [0, 0], [0, 1]]}
+    assert values == {"paths": [[0], [0, 0], [0, 1]], "cpu_kernels": None, "compact_weights": None,
+                      "lean_forward": None, "host_trees": True}
     assert StaticTreeConfig.from_dict(values).paths == [(0,), (0, 0), (0, 1)]
 
 
@@ -209,3 +215,45 @@ def test_a_generation_config_saves_and_loads_its_spec_config(tmp_path, config):
     assert loaded.spec_strategy == name and loaded.max_new_tokens == 7
     assert type(config).from_dict(loaded.spec_config) == config
     assert resolve_config(name, loaded.spec_config, CPU) == config.resolve(CPU)  # generate takes the dict as is
+
+
+def test_runtime_settings_apply_to_their_call_only():
+    """`cpu_kernels`, `lean_forward` (and `compact_weights`) of a `spec_config` hold inside the call's rounds and
+    nowhere else; the output stays plain greedy."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from hf_adaptive_spec import lean
+    from hf_adaptive_spec.ops import cpu_linear
+    from tiny_models import build_drafter, build_model, make_inputs
+
+    target = build_model("llama")
+    drafter = build_drafter("llama", target, "small")
+    inputs = make_inputs("llama", batch_size=1)
+    expected = target.generate(**inputs, max_new_tokens=10, do_sample=False)
+    seen = []
+
+    class Record(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append((cpu_linear.active(), lean.lean_forward(target) is not None))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def spec(**config):
+        seen.clear()
+        out = target.generate(**inputs, max_new_tokens=10, do_sample=False, assistant_model=drafter,
+                              spec_strategy="sage", spec_config=SageConfig(**config),
+                              stopping_criteria=StoppingCriteriaList([Record()]))
+        assert torch.equal(out, expected) and seen
+        return seen
+
+    assert all(not kernel and not lean_on for kernel, lean_on in spec(cpu_kernels=False, lean_forward=False,
+                                                                      compact_weights=False))
+    assert all(lean_on for _, lean_on in spec())  # the default: lean forwards where supported
+    with lean.use_lean_forward(False):  # a field left None follows the caller's setting
+        assert all(not lean_on for _, lean_on in spec())
+        assert all(lean_on for _, lean_on in spec(lean_forward=True))
+    assert lean.lean_forward(target) is not None and not cpu_linear.active()
+    from dataclasses import fields
+
+    runtime = {"cpu_kernels", "compact_weights", "lean_forward", "host_trees"}
+    for config_class in (ChainConfig, StaticTreeConfig, SageConfig, LaSpecConfig):  # positional fields do not shift
+        assert all(f.kw_only for f in fields(config_class) if f.name in runtime)

@@ -140,8 +140,6 @@ def test_support_counts_the_votes():
 def test_datastore_branch_is_accepted_exactly_as_far_as_the_store_agrees(arch, host_trees, monkeypatch):
     """With a drafter that is always wrong and context lookup off, every accepted token comes from the datastore
     branch: each round's accepted length equals a brute-force replay of the store on the final sequence."""
-    from hf_adaptive_spec.drafters import block as block_module
-
     target = build_model(arch)
     inputs = make_inputs(arch, batch_size=1)
     prompt_length = inputs["input_ids"].shape[1]
@@ -152,19 +150,11 @@ def test_datastore_branch_is_accepted_exactly_as_far_as_the_store_agrees(arch, h
     pieces = [answer[:12], answer[10:25] + [7, 7], answer[22:]]
     store = TokenDatastore.from_sequences(pieces, min_ngram=2, max_ngram=4)
     _oracle(monkeypatch, expected[:, prompt_length:], corrupt_every=1)  # every drafted token wrong
-    if not host_trees:
-        original_init = block_module.BlockDrafter.__init__
-
-        def tensor_trees(self, *args, **kwargs):
-            original_init(self, *args, **kwargs)
-            self.host_trees = False
-
-        monkeypatch.setattr(block_module.BlockDrafter, "__init__", tensor_trees)
     drafter = _drafter(target).set_datastore(store)
     out = target.generate(**inputs, max_new_tokens=new, do_sample=False, assistant_model=drafter,
                           spec_strategy="laspec", return_dict_in_generate=True,
                           spec_config={"verify_cost": False, "top_k": 1, "context_lookup": 0,
-                                       "datastore_tokens": 6})
+                                       "datastore_tokens": 6, "host_trees": host_trees})
     assert torch.equal(out.sequences, expected)
     replayed = replay_accepted(expected[0].tolist(), prompt_length + 1, lambda row: store.propose(row, 6)[0])
     assert out.spec_stats.accepted_lengths == replayed

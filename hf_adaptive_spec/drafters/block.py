@@ -76,6 +76,8 @@ class BlockDrafter(Drafter):
         datastore ([`TokenDatastore`], *optional*): also add its proposal (`hf_adaptive_spec.datastore`) to every
             greedy tree, as one more branch.
         datastore_tokens (`int`, *optional*): tokens on that branch (default: `lookup_tokens`).
+        host_trees (`bool`): at batch 1, greedy, without processors and for a budget strategy, build the tree
+            with host lists (`host_tree`: the same tree, without ~40 small tensor ops per level).
     """
 
     needs_target_states = True  # its context is the target's states, taken from the verification forward
@@ -84,7 +86,7 @@ class BlockDrafter(Drafter):
 
     def __init__(self, model: LaSpecDrafterModel, target, block_size: int | None = None,
                  num_visual_tokens: int | None = None, context_lookup: int = 0, lookup_tokens: int | None = None,
-                 datastore=None, datastore_tokens: int | None = None):
+                 datastore=None, datastore_tokens: int | None = None, host_trees: bool = True):
         if not isinstance(model, LaSpecDrafterModel):
             raise ValueError(f"BlockDrafter needs a LaSpecDrafterModel, got {type(model).__name__}.")
         embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -119,9 +121,7 @@ class BlockDrafter(Drafter):
         self.image_mask = None
         self.model_time = 0.0
         self.visual_time = 0.0
-        # batch 1, greedy, no processors, a budget strategy: build the tree on the host (same tree, see
-        # `host_tree`); False always takes the tensor path (tests compare the two)
-        self.host_trees = True
+        self.host_trees = host_trees
 
     # ---- the loop's steps (`Drafter`)
 

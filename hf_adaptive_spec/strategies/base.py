@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -44,9 +44,30 @@ class StrategyConfig:
     writes a dataclass through its `to_dict`, so `generation_config.spec_config = SageConfig(...)` is saved by
     `save_pretrained` as a dict of the fields; `GenerationConfig.from_pretrained` gives that dict back, which
     `generate` accepts as `spec_config` as is (`from_dict` rebuilds the object).
+
+    Every strategy also takes these runtime settings (keyword only). None of them changes a token; they change
+    how fast rounds run, and exist to compare or to work around a platform:
+
+    - `cpu_kernels` (`bool`, *optional*): the small-batch linear kernel for the rounds on a CPU
+      (`ops.cpu_linear`): True requires it (an error where it cannot run), False turns it off; None (default)
+      follows `HF_ADAPTIVE_SPEC_CPU_KERNELS` (`auto`: on where it runs).
+    - `compact_weights` (`bool`, *optional*): with the kernel, a LaSpec drafter's layers read bf16 copies of
+      their weights (drafts only); None (default): on, unless `cpu_linear.use_compact_weights(False)` is in force.
+    - `lean_forward` (`bool`, *optional*): round forwards of supported models skip transformers' per-module
+      Python (`hf_adaptive_spec.lean`; bitwise the same logits); None (default): on, unless
+      `lean.use_lean_forward(False)` is in force.
+    - `host_trees` (`bool`, defaults to True): a LaSpec block drafter at batch 1 (greedy, no processors)
+      builds its tree with host lists (`drafters.host_tree`: the same tree).
     """
 
+    cpu_kernels: bool | None = field(default=None, kw_only=True)
+    compact_weights: bool | None = field(default=None, kw_only=True)
+    lean_forward: bool | None = field(default=None, kw_only=True)
+    host_trees: bool = field(default=True, kw_only=True)
+
     def __post_init__(self):
+        for name in ("cpu_kernels", "compact_weights", "lean_forward", "host_trees"):
+            check_bool(self, name)
         self.validate()
 
     def resolve(self, device: torch.device) -> "StrategyConfig":
@@ -79,8 +100,9 @@ class StrategyConfig:
 
     def block_drafter_options(self) -> dict:
         """Keyword arguments for a LaSpec block drafter (`drafters.block.BlockDrafter`) drafting for this
-        strategy; empty: the drafter's own defaults (its block size and visual tokens, no extra branches)."""
-        return {}
+        strategy; beyond `host_trees`, the drafter's own defaults (its block size and visual tokens, no extra
+        branches)."""
+        return {"host_trees": self.host_trees}
 
     def to_dict(self) -> dict:
         """Every field by name, JSON-friendly (tuples become lists)."""

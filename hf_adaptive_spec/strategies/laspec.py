@@ -69,7 +69,8 @@ class LaSpecConfig(StrategyConfig):
         check_bool(self, "datastore")
 
     def block_drafter_options(self):
-        return {"block_size": self.block_size, "num_visual_tokens": self.num_visual_tokens,
+        return {**super().block_drafter_options(), "block_size": self.block_size,
+                "num_visual_tokens": self.num_visual_tokens,
                 "context_lookup": self.context_lookup, "lookup_tokens": self.lookup_tokens,
                 "datastore": self.datastore, "datastore_tokens": self.datastore_tokens}
 
