@@ -6,15 +6,7 @@
 Without `spec_strategy`, `generate` is stock transformers.
 """
 
-from .drafters.laspec import (
-    LaSpecDrafterConfig,
-    LaSpecDrafterModel,
-    LaSpecDrafterOutput,
-    accept_probs_from,
-    acceptance_aware_loss,
-    acceptance_weights,
-    register_auto_classes,
-)
+from .drafters.laspec import LaSpecDrafterConfig, LaSpecDrafterModel, LaSpecDrafterOutput, register_auto_classes
 from .drafters.hub import list_drafters, load_drafter, push_drafter_to_hub
 from .cost import SpecCalibration
 from .datastore import TokenDatastore
@@ -35,6 +27,19 @@ from .strategies import (
 )
 
 __version__ = "0.1.0"
+
+_TRAINING_NAMES = ("accept_probs_from", "acceptance_aware_loss", "acceptance_weights")  # hf_adaptive_spec.training
+
+
+def __getattr__(name):
+    """The training losses, imported on first use: importing the package (for the generate hook) does not import
+    the training code."""
+    if name in _TRAINING_NAMES:
+        from .training import losses
+
+        return getattr(losses, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 install()
 register_auto_classes()  # AutoConfig / AutoModel load "laspec_drafter" folders

@@ -339,3 +339,21 @@ def _stock_greedy(target, inputs, max_new_tokens=12):
             target.generation_config.__dict__.update({k: v for k, v in saved.items() if v is not None})
     finally:
         hf_adaptive_spec.install()
+
+
+def test_importing_the_package_imports_no_training_bench_or_asset_code():
+    """`import hf_adaptive_spec` (the generate hook) loads the decoding code only; the training losses it exports
+    are imported on first use."""
+    import ast
+    import subprocess
+    import sys
+
+    code = ("import sys, hf_adaptive_spec; print(sorted(m for m in sys.modules if m.startswith('hf_adaptive_spec.')));"
+            "hf_adaptive_spec.acceptance_weights; print('hf_adaptive_spec.training.losses' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    loaded = ast.literal_eval(out[-2])
+    heavy = ("training", "bench", "bench_load", "bench_vision", "cold", "cli", "loading", "models", "data", "assets",
+             "scenes", "scenes_vlm")
+    assert "hf_adaptive_spec.loop" in loaded
+    assert [m for m in loaded if m.split(".")[1] in heavy] == []
+    assert out[-1] == "True"

@@ -13,14 +13,12 @@ from hf_adaptive_spec.compat import cache_argument
 from hf_adaptive_spec.drafters.laspec import (
     LaSpecDrafterConfig,
     LaSpecDrafterModel,
-    accept_probs_from,
-    acceptance_aware_loss,
-    acceptance_weights,
     default_target_layer_ids,
     gather_target_hidden,
     make_block_inputs,
     register_auto_classes,
 )
+from hf_adaptive_spec.training.losses import accept_probs_from, acceptance_aware_loss, acceptance_weights
 
 BLOCK = 4
 

@@ -505,7 +505,7 @@ def test_make_batch_anchors_blocks_in_the_answer(setup):
 def test_loss_on_labelled_positions_equals_the_full_logits_loss(setup, kind):
     import torch.nn.functional as F
 
-    from hf_adaptive_spec.drafters.laspec import acceptance_aware_loss, accept_probs_from
+    from hf_adaptive_spec.training.losses import acceptance_aware_loss, accept_probs_from
     from hf_adaptive_spec.training.trainer import _labelled_logits, _loss
 
     _, _, examples = setup
@@ -545,7 +545,7 @@ def test_loss_over_a_draft_vocabulary_equals_the_decoding_logits_loss(setup, kin
     logits (-inf outside it), a label outside it counting as no label (the chain cannot pass it)."""
     import torch.nn.functional as F
 
-    from hf_adaptive_spec.drafters.laspec import acceptance_aware_loss, accept_probs_from
+    from hf_adaptive_spec.training.losses import acceptance_aware_loss, accept_probs_from
     from hf_adaptive_spec.training.trainer import _labelled_logits, _loss
 
     _, _, examples = setup

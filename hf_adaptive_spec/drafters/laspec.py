@@ -51,13 +51,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub.dataclasses import strict
 from torch import nn
-from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from ..ops import cpu_linear, tensor_version
+from .configuration_laspec import LaSpecDrafterConfig, default_target_layer_ids
 
 __all__ = [
     "ContextKV",
@@ -68,151 +68,7 @@ __all__ = [
     "default_target_layer_ids",
     "gather_target_hidden",
     "make_block_inputs",
-    "acceptance_weights",
-    "acceptance_aware_loss",
-    "acceptance_weighted_mean",
-    "accept_probs_from",
 ]
-
-
-# --------------------------------------------------------------------------- config
-
-
-@strict
-class LaSpecDrafterConfig(PreTrainedConfig):
-    r"""Configuration of a [`LaSpecDrafterModel`].
-
-    Args:
-        hidden_size (`int`, defaults to 256): width of the drafter's residual stream.
-        num_hidden_layers (`int`, defaults to 1): drafter transformer layers (1-2).
-        num_attention_heads (`int`, defaults to 4): query heads.
-        num_key_value_heads (`int`, *optional*): key/value heads (GQA); defaults to `num_attention_heads`.
-        head_dim (`int`, *optional*): defaults to `hidden_size // num_attention_heads`.
-        intermediate_size (`int`, defaults to 688): SwiGLU MLP width.
-        rms_norm_eps (`float`, defaults to 1e-6).
-        vocab_size (`int`, defaults to 32000): the TARGET's vocabulary size (its LM head's output size).
-        target_hidden_size (`int`, *optional*): the target's text hidden size (its embedding width);
-            defaults to `hidden_size`. When it differs from `hidden_size`, linear projections map the
-            target's embeddings in and the drafter's states out to the target's LM head.
-        target_layer_ids (`list[int]`, *optional*): target decoder-layer indices whose outputs are fused
-            (output of layer `l` is `hidden_states[l + 1]` of a forward with `output_hidden_states=True`).
-            Defaults to `[0]`; use [`default_target_layer_ids`] (low/mid/high) or
-            [`LaSpecDrafterConfig.for_target`].
-        block_size (`int`, defaults to 4): tokens drafted per forward (B).
-        mask_token_id (`int`, *optional*): if set, MASK positions use the target's embedding of this id;
-            if `None` (default) a learned mask embedding is used.
-        num_visual_tokens (`int`, defaults to 8): visual tokens the drafter attends to (M).
-        vision_hidden_size (`int`, *optional*): width of the visual embeddings fed to the cross-attention;
-            defaults to `target_hidden_size`.
-        rope_theta (`float`, defaults to 10000.0): base of the drafter's plain 1D RoPE.
-        max_position_embeddings (`int`, defaults to 4096): informational (RoPE is computed on the fly).
-        target_model_name (`str`, *optional*): the target this drafter was trained for (model card).
-        initializer_range (`float`, defaults to 0.02).
-        fuse_previous_state (`bool`, defaults to `False`): add a linear projection of the encoded target state at
-            the position before each block to every block position's input (see the module docstring).
-        draft_vocab_size (`int`, *optional*): when set, drafting (not training) scores only these many tokens,
-            the target's most frequent ones (the `draft_vocab` buffer, [`LaSpecDrafterModel.set_draft_vocabulary`]):
-            the LM head is the drafter's largest cost and, on a CPU, memory-bound. Other tokens are never drafted
-            (the target still verifies every token, so outputs do not change).
-
-    Examples:
-        >>> config = LaSpecDrafterConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64,
-        ...                              vocab_size=128, target_layer_ids=[0, 1])
-        >>> config.block_size
-        4
-    """
-
-    model_type = "laspec_drafter"
-
-    hidden_size: int = 256
-    num_hidden_layers: int = 1
-    num_attention_heads: int = 4
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int = 688
-    rms_norm_eps: float = 1e-6
-    vocab_size: int = 32000
-    target_hidden_size: int | None = None
-    target_layer_ids: list[int] | None = None
-    block_size: int = 4
-    mask_token_id: int | None = None
-    num_visual_tokens: int = 8
-    vision_hidden_size: int | None = None
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    target_model_name: str | None = None
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = False
-    draft_vocab_size: int | None = None
-    fuse_previous_state: bool = False
-
-    def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.target_hidden_size is None:
-            self.target_hidden_size = self.hidden_size
-        if self.vision_hidden_size is None:
-            self.vision_hidden_size = self.target_hidden_size
-        if self.target_layer_ids is None:
-            self.target_layer_ids = [0]
-        self.target_layer_ids = [int(layer) for layer in self.target_layer_ids]
-        super().__post_init__(**kwargs)
-
-    def validate_architecture(self):
-        """Part of the `@strict` validation: shapes that the drafter cannot build."""
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})."
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE.")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer.")
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id ({self.mask_token_id}) must lie in [0, vocab_size={self.vocab_size}).")
-        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size ({self.draft_vocab_size}) must lie in [1, vocab_size={self.vocab_size}].")
-
-    @classmethod
-    def for_target(cls, target, **overrides) -> LaSpecDrafterConfig:
-        """A config sized for `target` (a model or its config): its vocabulary, text width, head layout,
-        RoPE base and low/mid/high layers. Keyword arguments override any field.
-
-        Examples:
-            >>> config = LaSpecDrafterConfig.for_target(target_model, num_hidden_layers=2)  # doctest: +SKIP
-        """
-        config = getattr(target, "config", target)
-        text = config.get_text_config()
-        rope = getattr(text, "rope_parameters", None) or {}
-        rope_theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
-        num_heads = text.num_attention_heads
-        fields = dict(
-            hidden_size=text.hidden_size,
-            num_attention_heads=num_heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
-            intermediate_size=text.intermediate_size,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            vocab_size=text.vocab_size,
-            target_hidden_size=text.hidden_size,
-            target_layer_ids=default_target_layer_ids(text.num_hidden_layers),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-            target_model_name=getattr(config, "name_or_path", None) or None,
-        )
-        fields.update(overrides)
-        return cls(**fields)
-
-
-def default_target_layer_ids(num_layers: int) -> list[int]:
-    """Low / mid / high target layers to fuse (EAGLE-3's choice `[2, n // 2, n - 3]`, clamped, deduplicated)."""
-    picks = (2, num_layers // 2, num_layers - 3)
-    return sorted({min(max(layer, 0), num_layers - 1) for layer in picks})
 
 
 def spread_to_vocabulary(scores: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
@@ -919,91 +775,3 @@ def register_auto_classes() -> None:
     """Register the drafter with `AutoConfig` / `AutoModel` (idempotent: safe to call more than once)."""
     AutoConfig.register(LaSpecDrafterConfig.model_type, LaSpecDrafterConfig, exist_ok=True)
     AutoModel.register(LaSpecDrafterConfig, LaSpecDrafterModel, exist_ok=True)
-
-
-# --------------------------------------------------------------------------- acceptance-aware training
-
-
-def acceptance_weights(accept_probs: torch.Tensor) -> torch.Tensor:
-    """Chance that draft position k is reached at all: w_k = stopgrad(prod_{j<k} a_j), w_1 = 1.
-
-    Args:
-        accept_probs (`torch.FloatTensor` of shape `(B, K)`): a_k, the probability the target accepts position k.
-
-    Returns:
-        `torch.FloatTensor` of shape `(B, K)`, detached from the graph.
-
-    Examples:
-        >>> acceptance_weights(torch.tensor([[0.5, 0.8, 0.9]]))
-        tensor([[1.0000, 0.5000, 0.4000]])
-    """
-    accept_probs = accept_probs.detach()
-    shifted = torch.cat([torch.ones_like(accept_probs[:, :1]), accept_probs[:, :-1]], dim=1)  # (B, K): a_0 = 1
-    return shifted.cumprod(dim=1)
-
-
-def acceptance_aware_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    accept_probs: torch.Tensor,
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Acceptance-weighted cross-entropy L = sum_k w_k CE_k / sum_k w_k (PAPERS.md section 2).
-
-    The sums run over the batch and the block together, so a row whose draft survives longer contributes
-    more positions. Labels equal to -100 are ignored like a False `mask`.
-
-    Args:
-        logits (`torch.FloatTensor` of shape `(B, K, V)`): drafter logits.
-        labels (`torch.LongTensor` of shape `(B, K)`): target tokens (-100 = ignore).
-        accept_probs (`torch.FloatTensor` of shape `(B, K)`): a_k ([`accept_probs_from`]); no gradient flows
-            through them.
-        mask (`torch.BoolTensor` of shape `(B, K)`, *optional*): False for positions to ignore.
-
-    Returns:
-        Scalar `torch.FloatTensor`.
-    """
-    keep = labels != -100
-    if mask is not None:
-        keep = keep & mask.bool()
-    cross_entropy = F.cross_entropy(
-        logits.float().transpose(1, 2), labels.masked_fill(~keep, 0), reduction="none"
-    )  # (B, K)
-    return acceptance_weighted_mean(cross_entropy, accept_probs, keep)
-
-
-def acceptance_weighted_mean(cross_entropy: torch.Tensor, accept_probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """sum_k w_k CE_k / sum_k w_k over the kept `(B, K)` positions, w from [`acceptance_weights`]: the
-    acceptance-aware loss from per-position cross-entropies (a trainer that computes them only where there
-    is a label scatters them into `(B, K)` first)."""
-    weights = acceptance_weights(accept_probs).float() * keep
-    return (weights * cross_entropy).sum() / weights.sum().clamp_min(1e-12)
-
-
-def accept_probs_from(draft_logits: torch.Tensor, target: torch.Tensor, greedy: bool) -> torch.Tensor:
-    """Per-position acceptance probability a_k of the drafter's distribution q against the target.
-
-    Greedy: a_k = q_k(t_k), the drafter's probability of the target's greedy token t_k (the chance an argmax /
-    sampled draft matches it). Sampling: a_k = sum_v min(p_k(v), q_k(v)) (Leviathan et al. 2023).
-
-    Args:
-        draft_logits (`torch.FloatTensor` of shape `(B, K, V)`): drafter logits (processed, if the loop processes).
-        target (`torch.Tensor`): greedy: the target's tokens `(B, K)` (-100 = ignore, gives a_k = 0) or its
-            probabilities `(B, K, V)` (argmax taken); sampling: the target's probabilities `(B, K, V)`.
-        greedy (`bool`): which rule.
-
-    Returns:
-        `torch.FloatTensor` of shape `(B, K)` in [0, 1] (differentiable w.r.t. `draft_logits`).
-    """
-    draft_probs = torch.softmax(draft_logits.float(), dim=-1)  # (B, K, V): q
-    if greedy:
-        tokens = target.argmax(-1) if target.dim() == 3 else target  # (B, K)
-        valid = tokens != -100
-        probs = draft_probs.gather(-1, tokens.clamp_min(0)[..., None]).squeeze(-1)  # (B, K)
-        return probs * valid
-    if target.dim() != 3 or target.shape != draft_logits.shape:
-        raise ValueError(
-            f"Sampling acceptance needs target probabilities of shape {tuple(draft_logits.shape)}; "
-            f"got {tuple(target.shape)}."
-        )
-    return torch.minimum(target.float(), draft_probs).sum(-1)

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters.laspec import LaSpecDrafterModel, acceptance_weighted_mean
+from ..drafters.laspec import LaSpecDrafterModel
+from .losses import acceptance_weighted_mean
 
 __all__ = ["TrainConfig", "make_batch", "evaluate_acceptance", "train_drafter"]
 

@@ -5,7 +5,7 @@ import math, random, sys, time, json, torch
 import hf_adaptive_spec
 from hf_adaptive_spec import models, load_drafter
 from hf_adaptive_spec.training.trainer import make_batch, _labelled_logits, evaluate_acceptance
-from hf_adaptive_spec.drafters.laspec import acceptance_weighted_mean
+from hf_adaptive_spec.training.losses import acceptance_weighted_mean
 torch.set_num_threads(2)
 target, tok = models.load("smollm2-135m-instruct")
 train = torch.load("/tmp/probe_soft_labels/train.pt", weights_only=False)
