@@ -71,7 +71,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import bench, bench_vision, loading
+from . import bench, bench_report, bench_stats, bench_vision, loading
 from .cost import SpecCalibration
 from .drafters.quantize import quantize_drafter
 
@@ -94,7 +94,7 @@ __all__ = [
     "summarize_replay",
 ]
 
-PLAIN = bench.PLAIN
+PLAIN = bench_stats.PLAIN
 CHAIN_LENGTHS = (1, 2, 4, 8)
 TREE_SIZES = (8, 16)
 LASPEC_TREE_TOP_K = 2  # children offered per node of a fixed laspec tree
@@ -143,8 +143,8 @@ class LoadMethod:
                 "spec_calibration": self.calibration}
 
     def to_dict(self) -> dict:
-        return {"family": self.family, "strategy": self.strategy, "spec_config": bench._jsonable(self.spec_config),
-                "size": self.size}
+        return {"family": self.family, "strategy": self.strategy,
+                "spec_config": bench_report._jsonable(self.spec_config), "size": self.size}
 
 
 def load_methods(laspec: bool, adaptive: Sequence[str], spec_configs: Optional[dict] = None,
@@ -363,7 +363,7 @@ def run_load_sweep(target, tokenizer, drafter, prompts: Sequence, levels: Sequen
                     decode_batch(method, target, drafter, inputs, min(max_new_tokens, WARMUP_TOKENS), pad_token_id,
                                  eos)
                 except Exception as exc:  # recorded again in the timed run
-                    warmup_errors[f"{method.name}@{level}"] = bench._describe(exc)
+                    warmup_errors[f"{method.name}@{level}"] = bench_report._describe(exc)
                 _step(progress)
         runs, errors = {}, {}
         for method in order:
@@ -371,7 +371,7 @@ def run_load_sweep(target, tokenizer, drafter, prompts: Sequence, levels: Sequen
             try:
                 runs[method.name] = decode_batch(method, target, drafter, inputs, max_new_tokens, pad_token_id, eos)
             except Exception as exc:
-                errors[method.name] = bench._describe(exc)
+                errors[method.name] = bench_report._describe(exc)
             _step(progress)
         position = {method.name: i for i, method in enumerate(order)}
         reference = runs.get(PLAIN)
@@ -622,8 +622,8 @@ def run_arrivals(target, tokenizer, drafter, prompts: Sequence, arrivals: Sequen
         try:
             replayed = replay(arrivals, run_batch, max_batch)
         except Exception as exc:
-            summaries[method.name] = {"error": bench._describe(exc), "failures": 1}
-            failures.append({"method": method.name, "reason": bench._describe(exc)})
+            summaries[method.name] = {"error": bench_report._describe(exc), "failures": 1}
+            failures.append({"method": method.name, "reason": bench_report._describe(exc)})
             continue
         rows, mismatched = {}, []
         for ids, run in runs:
@@ -788,7 +788,7 @@ def _prepare(target, drafter, methods: Sequence[LoadMethod], batch_sizes: Sequen
         try:
             prepare(target, drafter, method.strategy, batch_sizes=done["batch_sizes"], spec_config=method.spec_config)
         except Exception as exc:
-            done["error"] = f"{method.strategy}: {bench._describe(exc)}"
+            done["error"] = f"{method.strategy}: {bench_report._describe(exc)}"
             break
         done["strategies"].append(method.strategy)
     done["seconds"] = time.perf_counter() - start
@@ -810,7 +810,7 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
     """
     from tqdm.auto import tqdm
 
-    started = bench._now()
+    started = bench_report._now()
     device, laspec, prompts, adaptive, spec_configs, levels = _prelude(args, prompt_loader)
     target, tokenizer, drafter, load_seconds = _load_models(args, laspec, model_loader)
     block_size = getattr(getattr(drafter, "config", None), "block_size", None) if laspec else None
@@ -821,7 +821,7 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
     header = {
         "command": bench._command_line(),
         "argv": list(sys.argv),
-        "args": bench._jsonable(vars(args)),
+        "args": bench_report._jsonable(vars(args)),
         "models": {"target": args.target, "drafter": args.drafter, "drafter_int8": bool(args.drafter_int8),
                    "target_class": type(target).__name__, "drafter_class": type(drafter).__name__,
                    "drafter_block_size": block_size, "load_seconds": load_seconds},
@@ -837,17 +837,17 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
         sweep = run_load_sweep(target, tokenizer, drafter, prompts, levels, methods, args.max_new_tokens,
                                pad_token_id, args.warmup, bar)
         bar.close()
-        results = {"mode": "load_sweep", **header, "environment": bench._environment(device, started),
+        results = {"mode": "load_sweep", **header, "environment": bench_report._environment(device, started),
                    "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
                                 "warmup_tokens": WARMUP_TOKENS, "levels": levels,
                                 "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit},
                    "methods": {m.name: m.to_dict() for m in methods}, "skipped_methods": skipped, **sweep}
         results["ok"] = not results["failures"]["count"]
-        results["environment"]["finished"] = bench._now()
+        results["environment"]["finished"] = bench_report._now()
         results["plots"] = (write_load_plots(results, out_dir) if not args.no_plots
                             else {"files": {}, "skipped": ["--no-plots"]})
         results["files"] = {"json": "load_sweep.json", "markdown": "load_sweep.md", **results["plots"]["files"]}
-        (out_dir / "load_sweep.json").write_text(json.dumps(bench._jsonable(results), indent=1))
+        (out_dir / "load_sweep.json").write_text(json.dumps(bench_report._jsonable(results), indent=1))
         markdown = sweep_markdown(results)
         (out_dir / "load_sweep.md").write_text(markdown)
         print(markdown)
@@ -860,7 +860,7 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
         replayed = run_arrivals(target, tokenizer, drafter, prompts, arrivals, chosen, args.max_new_tokens,
                                 args.max_batch, pad_token_id, args.warmup, bar)
         bar.close()
-        results = {"mode": "arrivals", **header, "environment": bench._environment(device, started),
+        results = {"mode": "arrivals", **header, "environment": bench_report._environment(device, started),
                    "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
                                 "arrivals": args.arrivals, "rate": args.rate, "requests": args.requests,
                                 "max_batch": args.max_batch, "seed": args.seed, "burst_size": BURST_SIZE,
@@ -868,9 +868,9 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
                    "arrival_times": arrivals,
                    "method_settings": {m.name: m.to_dict() for m in chosen}, **replayed}
         results["ok"] = not results["failures"]["count"]
-        results["environment"]["finished"] = bench._now()
+        results["environment"]["finished"] = bench_report._now()
         results["files"] = {"json": "arrivals.json", "markdown": "arrivals.md"}
-        (out_dir / "arrivals.json").write_text(json.dumps(bench._jsonable(results), indent=1))
+        (out_dir / "arrivals.json").write_text(json.dumps(bench_report._jsonable(results), indent=1))
         markdown = arrivals_markdown(results)
         (out_dir / "arrivals.md").write_text(markdown)
         print(markdown)
@@ -951,10 +951,10 @@ def sweep_markdown(results: dict) -> str:
     lines += ["## Throughput (tokens/s; speedup over plain)", "", head, rule]
     lines += [row(name, throughput) for name in methods]
     lines.append("| best fixed | " + " | ".join(
-        f"{best[b]['method']} {best[b]['tokens_per_s']:.1f} ({bench._fmt(best[b]['speedup_vs_plain'])}x)"
+        f"{best[b]['method']} {best[b]['tokens_per_s']:.1f} ({bench_report._fmt(best[b]['speedup_vs_plain'])}x)"
         if b in best else "–" for b in levels) + " |")
     lines += ["", "## tau", "", head, rule]
-    lines += [row(name, lambda r: "–" if r is None else bench._fmt(r.get("tau"))) for name in methods]
+    lines += [row(name, lambda r: "–" if r is None else bench_report._fmt(r.get("tau"))) for name in methods]
     lines += ["", "## Structure verified: draft nodes per row and round (candidates before the cost rule)", "", head,
               rule]
 
@@ -992,13 +992,14 @@ def arrivals_markdown(results: dict) -> str:
         if m.get("error"):
             lines.append(f"| {name} | **FAIL**: {m['error']} |" + " |" * 12)
             continue
-        cells = [bench._fmt(m["mean_latency_s"], 3), bench._fmt(m["p90_latency_s"], 3),
-                 bench._fmt(m["max_latency_s"], 3),
-                 "1.00x" if name == PLAIN else bench._fmt(m.get("mean_latency_vs_plain"), 2, "x"),
-                 bench._fmt(m.get("tokens_per_s"), 1),
-                 "1.00x" if name == PLAIN else bench._fmt(m.get("tokens_per_s_vs_plain"), 2, "x"),
-                 bench._fmt(m["requests_per_s"], 3), str(m["batches"]), bench._fmt(m["mean_batch_size"]),
-                 bench._fmt(m["busy_s"], 1), bench._fmt(m.get("tau")), bench._fmt(m.get("nodes_per_round"))]
+        cells = [bench_report._fmt(m["mean_latency_s"], 3), bench_report._fmt(m["p90_latency_s"], 3),
+                 bench_report._fmt(m["max_latency_s"], 3),
+                 "1.00x" if name == PLAIN else bench_report._fmt(m.get("mean_latency_vs_plain"), 2, "x"),
+                 bench_report._fmt(m.get("tokens_per_s"), 1),
+                 "1.00x" if name == PLAIN else bench_report._fmt(m.get("tokens_per_s_vs_plain"), 2, "x"),
+                 bench_report._fmt(m["requests_per_s"], 3), str(m["batches"]),
+                 bench_report._fmt(m["mean_batch_size"]), bench_report._fmt(m["busy_s"], 1),
+                 bench_report._fmt(m.get("tau")), bench_report._fmt(m.get("nodes_per_round"))]
         lines.append(f"| {name}" + (" **FAIL**" if m["failures"] else "") + " | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -1008,7 +1009,7 @@ def write_load_plots(results: dict, out_dir: Path) -> dict:
     ``{"files": {kind: filename}, "skipped": [reasons]}``."""
     makers = [(kind, lambda plot=plot: plot(results))
               for kind, plot in (("structure", _plot_structure), ("throughput", _plot_throughput))]
-    return bench.save_figures(makers, out_dir, PLOT_FILES)
+    return bench_report.save_figures(makers, out_dir, PLOT_FILES)
 
 
 def _series(results: dict, name: str, key: str) -> tuple:
@@ -1034,7 +1035,7 @@ def _plot_structure(results):
     spec = [name for name, m in results["methods"].items() if m["family"] != "plain"]
     if not any(_series(results, name, "nodes_per_round")[0] for name in spec):
         return None
-    fig = bench._figure(6.5, 4.2)
+    fig = bench_report._figure(6.5, 4.2)
     ax = _load_axes(fig, results, "draft nodes verified per row and round")
     for name in spec:
         xs, ys = _series(results, name, "nodes_per_round")
@@ -1055,7 +1056,7 @@ def _plot_throughput(results):
     names = list(results["methods"])
     if not any(_series(results, name, "tokens_per_s")[0] for name in names):
         return None
-    fig = bench._figure(7.5, 4.4)
+    fig = bench_report._figure(7.5, 4.4)
     ax = _load_axes(fig, results, "throughput, new tokens/s over all rows")
     for name in names:
         xs, ys = _series(results, name, "tokens_per_s")

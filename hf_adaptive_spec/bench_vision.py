@@ -1,5 +1,6 @@
 """The benchmark's image side: scene prompts, image-prompt encoding, grounded-token acceptance and the
-visual-token sweep of `laspec` (used by `hf_adaptive_spec.bench`; this module never imports it).
+visual-token sweep of `laspec` (used by `hf_adaptive_spec.bench`, `bench_stats` and `bench_report`; this
+module imports none of them).
 
 Grounded tokens: a scene's description names colours and shapes (`scenes.grounded_words`) that only the image
 decides. A generated token is *grounded* when its decoded characters overlap such a word (whole words,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_adaptive_spec import bench, bench_vision, data
+from hf_adaptive_spec import bench, bench_stats, bench_vision, data
 from hf_adaptive_spec.data import Prompt
 from tiny_models import EOS_ID, IMAGE_ID, PAD_ID, build_drafter, build_model, num_image_tokens
 
@@ -207,7 +207,7 @@ def test_aggregate_on_a_constructed_case():
         _record("sage", "p1", 1.0, tau=(9, 3), spec_stats=stats),
         _record("sage", "p2", 1.0, tau=(10, 5), category="c2", matches=False, spec_stats=stats),
     ]
-    agg = bench.aggregate(records, ["plain", "stock_default", "stock_best", "sage"])
+    agg = bench_stats.aggregate(records, ["plain", "stock_default", "stock_best", "sage"])
     sage = agg["overall"]["sage"]
     assert sage["speedup_vs_plain"] == pytest.approx(6.0 / 2.0)
     assert sage["speedup_vs_plain_geomean"] == pytest.approx(math.sqrt(2.0 * 4.0))
