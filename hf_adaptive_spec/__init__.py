@@ -28,19 +28,6 @@ from .strategies import (
 
 __version__ = "0.1.0"
 
-_TRAINING_NAMES = ("accept_probs_from", "acceptance_aware_loss", "acceptance_weights")  # hf_adaptive_spec.training
-
-
-def __getattr__(name):
-    """The training losses, imported on first use: importing the package (for the generate hook) does not import
-    the training code."""
-    if name in _TRAINING_NAMES:
-        from .training import losses
-
-        return getattr(losses, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 install()
 register_auto_classes()  # AutoConfig / AutoModel load "laspec_drafter" folders
 
@@ -50,9 +37,6 @@ __all__ = [
     "LaSpecDrafterOutput",
     "QueryCapture",
     "VisualKeyStore",
-    "accept_probs_from",
-    "acceptance_aware_loss",
-    "acceptance_weights",
     "register_auto_classes",
     "select_visual_tokens",
     "STRATEGIES",
