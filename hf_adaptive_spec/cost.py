@@ -544,11 +544,12 @@ class CostModel:
         self.calibration.scale = value
 
     def prune(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(keep (B, N), n)` for `tree` (see `choose_prefix`); for a host-built tree the survival products and the
-        choice run on its lists, with the same float32 / float64 arithmetic."""
+        """`(keep (B, N), n)` for `tree` (see `choose_prefix`); for one CPU row without padding nodes the survival
+        products and the choice run on host lists (the same float32 / float64 arithmetic), as `ops` does for
+        the per-round tree ops."""
         accept = self.acceptance(tree)
-        if tree.host is not None:
-            return self._prune_host(tree.host, accept[0].tolist(), tree.tokens.device)
+        if tree.tokens.shape[0] == 1 and tree.tokens.device.type == "cpu" and bool(tree.valid.all()):
+            return self._prune_host(tree.parents[0].tolist(), accept[0].tolist(), tree.tokens.device)
         pi = survival(tree, accept)
         return choose_prefix(pi, self.table * self.scale, self.seconds_per_token)
 
@@ -562,12 +563,12 @@ class CostModel:
             accept = torch.where(tree.lookup > 0, torch.where(agreed, torch.maximum(rate, accept), rate), accept)
         return accept
 
-    def _prune_host(self, host, accept: list[float], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`survival` and `choose_prefix` on a host tree's lists (same float32 products, float64 sums)."""
+    def _prune_host(self, parents: list[int], accept: list[float], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`survival` and `choose_prefix` on one row's lists (same float32 products, float64 sums)."""
         pi = [1.0]
-        for node in range(1, len(host)):
-            pi.append(float32(pi[host.parents[node]] * accept[node]))
-        costs = [seconds * self.scale for seconds in self._seconds[: len(host) + 1]]  # T(n + 1) for n < N
+        for node in range(1, len(parents)):
+            pi.append(float32(pi[parents[node]] * accept[node]))
+        costs = [seconds * self.scale for seconds in self._seconds[: len(parents) + 1]]  # T(n + 1) for n < N
         keep, n = choose_prefix_host(pi, costs, max(float(self.seconds_per_token), 1e-9))
         return torch.tensor([keep], device=device), torch.tensor(n, device=device)
 

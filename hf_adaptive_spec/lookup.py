@@ -148,5 +148,5 @@ def add_chain(tree: DraftTree, tokens: torch.Tensor, valid: torch.Tensor, match:
 
 def _replace(tree: DraftTree, **changes) -> DraftTree:
     fields = {name: getattr(tree, name) for name in tree.__dataclass_fields__}
-    fields.update(changes, host=None)  # host lists would no longer match the changed tensors
+    fields.update(changes)
     return DraftTree(**fields)

@@ -34,8 +34,6 @@ class DraftTree:
         lookup: `(B, N)` for nodes on the context-lookup chain (`hf_adaptive_spec.lookup`), the suffix length
             that found it, else 0; on the chain, `probs` > 0 marks a node the drafter proposed too. None when
             the tree has no lookup branch.
-        host: for a one-row tree built on the host (`drafters.host_tree.HostTree`), the same tree as Python
-            lists: the cost rule and `subset` then work on them. None otherwise.
     """
 
     tokens: torch.Tensor
@@ -48,7 +46,6 @@ class DraftTree:
     num_levels: int
     draft_probs: torch.Tensor | None = None
     lookup: torch.Tensor | None = None
-    host: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:
@@ -60,8 +57,6 @@ class DraftTree:
 
     def subset(self, keep: torch.Tensor) -> "DraftTree":
         """The tree restricted to nodes `keep` `(B, N)` (closed under ancestors, root kept), order preserved."""
-        if self.host is not None:
-            return self.host.subset(keep[0].tolist()).to_draft_tree(self.tokens.device)
         index, valid, width = compact_true(keep & self.valid)
         new_index = (keep & self.valid).long().cumsum(-1) - 1  # (B, N) old -> new position
         parents = self.parents.gather(1, index)

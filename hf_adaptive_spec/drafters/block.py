@@ -28,7 +28,7 @@ from ..lookup import add_chain, context_lookup, lookup_code, store_code
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
 from .base import Drafter, TargetPrefill, VerifiedRound
-from .host_tree import HostTree, budget_tree, latest_match
+from .host_tree import budget_tree, latest_match
 from .levels import choose_level
 from ..attention import text_attention
 from ..vision import QueryCapture, VisualKeyStore, select_visual_tokens
@@ -257,7 +257,8 @@ class BlockDrafter(Drafter):
         lookup = self.context_lookup and committed is not None and not sample
         store = self.datastore is not None and committed is not None and not sample
         # the datastore's chain first, then the context's: a node both propose is learned as a context node
-        if isinstance(tree, HostTree):
+        if isinstance(tree, tuple):  # the batch-1 host backend: the block's top-k lists, one tree built on them
+            chains = []
             if store or lookup:
                 ids, lengths, start = committed
                 row = ids[0, int(start[0]):int(lengths[0])].tolist()
@@ -265,11 +266,12 @@ class BlockDrafter(Drafter):
             if store:
                 chain, _, support = self.datastore.propose_with_support(row[-self.datastore.max_ngram:],
                                                                         self.datastore_tokens)
-                tree.add_chain(chain[:depth], [store_code(*pair) for pair in support[:depth]])
+                chains.append((chain[:depth], [store_code(*pair) for pair in support[:depth]]))
             if lookup:
                 chain, match = latest_match(row, self.context_lookup, self.lookup_tokens)
-                tree.add_chain(chain[:depth], lookup_code(match))
-            return tree.to_draft_tree(self.root.device)
+                chains.append((chain[:depth], lookup_code(match)))
+            probs, tokens = tree
+            return budget_tree(int(self.root[0]), probs, tokens, strategy.shared_budget, chains, self.root.device)
         if store or lookup:
             ids, lengths, start = committed
         if store:
@@ -282,7 +284,9 @@ class BlockDrafter(Drafter):
             tree = add_chain(tree, tokens, valid, lookup_code(match))
         return tree
 
-    def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree | HostTree:
+    def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree | tuple:
+        """The block's tree by the generic tensor path, or, where the batch-1 host backend applies, the block's
+        `(probs, tokens)` top-k lists per depth for `host_tree.budget_tree`."""
         batch = self.root.shape[0]
         device = self.root.device
         depth_limit = max(1, min(self.block_size, int(max_depth.max())))
@@ -306,7 +310,7 @@ class BlockDrafter(Drafter):
             if int(max_depth[0]) >= depth_limit:  # no row-specific depth cut
                 probs = top_probs[0].tolist()
                 if min(min(level) for level in probs) > 0:
-                    return budget_tree(int(self.root[0]), probs, top_tokens[0].tolist(), strategy.shared_budget)
+                    return probs, top_tokens[0].tolist()
 
         builder = TreeBuilder()
         ones = torch.ones(batch, 1, dtype=torch.bool, device=device)

@@ -1,15 +1,14 @@
-"""One row's greedy block-drafter tree built on the host: the common batch-1 case without tensor bookkeeping.
+"""The batch-1 CPU backend of a block drafter's greedy tree: the same `DraftTree`, built with Python lists.
 
 At batch 1, under greedy decoding with no logits processors, a block drafter offers every node of depth d the
 same top-k of the depth-d distribution, and a budget strategy (`laspec`) keeps, level by level, the children
 of highest path probability until `n_max` nodes are taken. The generic path (`levels.choose_level`, the
-`TreeBuilder`, `lookup.add_chain`) does this with ~40 small tensor ops per level, ~3-4 ms of a CPU round for
-a tree of 16 nodes; here it is a few dozen Python comparisons over the `(depth, k)` candidates, and the
-context-lookup chain is found and merged on the same lists. The result is the same `DraftTree`, field for
-field (path probabilities are rounded to float32 after every product, as the tensors are):
-`tests/test_host_tree.py` compares both paths on random, tied and truncated cases. The `DraftTree` keeps
-its `HostTree` (`DraftTree.host`), so the cost rule prices and cuts the same lists (`CostModel.prune`,
-`HostTree.subset`).
+`TreeBuilder`, `lookup.add_chain`) does this with ~40 small tensor ops per level; here it is a few dozen
+Python comparisons over the `(depth, k)` candidates, and the context-lookup and datastore chains are found and
+merged on the same lists, converted to one `DraftTree` at the end. It is a backend of the same operations, as
+`ops.host` is for the per-round tree ops: the result equals the generic path's tree field for field (path
+probabilities are rounded to float32 after every product, as the tensors are), which `tests/test_host_tree.py`
+checks on random, tied and truncated cases.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 
 from ..tree import DraftTree
 
-__all__ = ["HostTree", "budget_tree", "float32", "latest_match"]
+__all__ = ["budget_tree", "float32", "latest_match"]
 
 _FLOAT32 = struct.Struct("f")
 
@@ -31,8 +30,8 @@ def float32(value: float) -> float:
     return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
 
 
-class HostTree:
-    """One row's tree as Python lists, in `DraftTree` layout (node 0 the root, levels in order)."""
+class _RowBuilder:
+    """One row's tree being built, as Python lists in `DraftTree` layout (node 0 the root, levels in order)."""
 
     def __init__(self, root: int):
         self.tokens = [root]
@@ -74,20 +73,6 @@ class HostTree:
                 self.lookup[child] = match
             current = child
 
-    def subset(self, keep: list[bool]) -> "HostTree":
-        """The tree of the kept nodes (closed under ancestors, root kept), order preserved (`DraftTree.subset`)."""
-        nodes = [node for node, kept in enumerate(keep) if kept]
-        position = {node: index for index, node in enumerate(nodes)}
-        out = HostTree(self.tokens[0])
-        out.tokens = [self.tokens[node] for node in nodes]
-        out.parents = [position[self.parents[node]] if self.parents[node] >= 0 else -1 for node in nodes]
-        out.probs = [self.probs[node] for node in nodes]
-        out.cum_probs = [self.cum_probs[node] for node in nodes]
-        out.depths = [self.depths[node] for node in nodes]
-        out.lookup = None if self.lookup is None else [self.lookup[node] for node in nodes]
-        out.num_levels = max(out.depths, default=0)
-        return out
-
     def to_draft_tree(self, device) -> DraftTree:
         def column(values, dtype):
             return torch.tensor([values], dtype=dtype, device=device)
@@ -103,13 +88,13 @@ class HostTree:
             drafter_slot=torch.full((1, count), -1, dtype=torch.long, device=device),
             num_levels=self.num_levels,
             lookup=None if self.lookup is None else column(self.lookup, torch.long),
-            host=self,
         )
 
 
-def budget_tree(root: int, probs: list[list[float]], tokens: list[list[int]], budget: int) -> HostTree:
+def budget_tree(root: int, probs: list[list[float]], tokens: list[list[int]], budget: int, chains=(),
+                device=None) -> DraftTree:
     """The tree of a budget strategy over shared per-depth candidates (`laspec`'s `select` with
-    `limit_to_budget`, greedy).
+    `limit_to_budget`, greedy), with `chains` hung under the root (`lookup.add_chain`).
 
     Args:
         root: the pending root token.
@@ -117,8 +102,11 @@ def budget_tree(root: int, probs: list[list[float]], tokens: list[list[int]], bu
             level per depth; the tree never goes deeper.
         budget: `n_max`, draft nodes taken over all levels (ranked within a level by path probability, ties
             to the earlier candidate in (parent, rank) order).
+        chains: `(tokens, codes)` pairs merged in order (`codes`: one lookup code, or one per token); a node
+            two chains propose takes the later one's code.
+        device: of the returned tree.
     """
-    tree = HostTree(root)
+    tree = _RowBuilder(root)
     frontier = [0]  # node indices of the previous level, in order
     left = budget
     for level, (level_probs, level_tokens) in enumerate(zip(probs, tokens), start=1):
@@ -138,7 +126,9 @@ def budget_tree(root: int, probs: list[list[float]], tokens: list[list[int]], bu
             frontier.append(tree.append(token, parent, prob, float32(parent_cum * prob), level))
         tree.num_levels = level
         left -= len(frontier)
-    return tree
+    for chain, codes in chains:
+        tree.add_chain(chain, codes)
+    return tree.to_draft_tree(device)
 
 
 def latest_match(row: list[int], max_ngram: int, num_tokens: int) -> tuple[list[int], int]:
