@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_module.add_arguments(bench)
     bench.set_defaults(func=_bench)
 
+    from . import bench_docs
+
+    docs = sub.add_parser("bench-docs", help="regenerate the tables the docs mark from the bench's results.json")
+    bench_docs.add_arguments(docs)
+    docs.set_defaults(func=bench_docs.run)
+
     from .training import cli as train_cli
 
     train = sub.add_parser("train-drafter", help="train a LaSpec drafter on data the target makes (accelerate)")

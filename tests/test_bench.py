@@ -590,3 +590,30 @@ def test_scenes_dataset_on_a_vlm_folder_through_the_default_loaders(tmp_path, tm
         (chain,) = [r for r in results["records"] if r["method"] == "chain"]
         assert chain["prompt_tokens"] > 64
         assert chain["grounded"]["tokens"] + chain["other"]["tokens"] == chain["new_tokens"] == MAX_NEW
+
+
+def test_bench_docs_regenerates_the_marked_tables_from_results_json(tmp_path):
+    """`hf-adaptive-spec bench-docs`: every marked table is the bench's own table of the named results file;
+    the prose around it is kept; --check reports a stale table without changing the file."""
+    import shutil
+
+    from hf_adaptive_spec import bench_docs, cli
+
+    source = Path(__file__).parent.parent / "docs/benchmarks/scenes_vlm_2026-12-03b/laspec_sweep/results.json"
+    shutil.copy(source, tmp_path / "results.json")
+    results = json.loads(source.read_text())
+    doc = tmp_path / "doc.md"
+    doc.write_text("# prose\n\n<!-- bench-table: results.json methods scenes -->\nold\n<!-- /bench-table -->\n\nmiddle\n\n"
+                   "<!-- bench-table: results.json sweep -->\n<!-- /bench-table -->\nend\n")
+    assert cli.main(["bench-docs", "--check", str(doc)]) == 1 and "old" in doc.read_text()
+    assert cli.main(["bench-docs", str(doc)]) == 0
+    text = doc.read_text()
+    methods = "\n".join(bench_docs.render_table(results, "methods", "scenes"))
+    sweep = "\n".join(bench_docs.render_table(results, "sweep"))
+    assert text == ("# prose\n\n<!-- bench-table: results.json methods scenes -->\n" + methods
+                    + "\n<!-- /bench-table -->\n\nmiddle\n\n<!-- bench-table: results.json sweep -->\n" + sweep
+                    + "\n<!-- /bench-table -->\nend\n")
+    assert "| laspec |" in methods and sweep.count("\n") >= 7  # one row per M
+    assert bench_docs.refresh(doc, check=True) == []
+    with pytest.raises(ValueError, match="no data set 'mtbench'"):
+        bench_docs.render_table(results, "methods", "mtbench")
