@@ -45,9 +45,9 @@ __all__ = ["QuadrantHeads", "VLMTrainConfig", "evaluate_scenes", "parse_descript
 class VLMTrainConfig:
     """Settings of `train_scenes_vlm` (defaults: the shipped run)."""
 
-    tower_steps: int = 600
+    tower_steps: int = 1500
     tower_batch: int = 64
-    tower_lr: float = 1e-3
+    tower_lr: float = 2e-3
     align_steps: int = 300
     align_batch: int = 64
     align_lr: float = 2e-3
@@ -60,7 +60,7 @@ class VLMTrainConfig:
     lora_alpha: float = 32.0
     lora_lr: float = 1e-3
     aux_weight: float = 0.5
-    patch_weight: float = 1.0  # classification of every patch (not only of quadrant means), in all stages
+    patch_weight: float = 0.5  # classification of every patch (not only of quadrant means), in all stages
     describe_fraction: float = 0.5  # share of LM samples that ask for the description (the rest: one question)
     bf16: bool = True  # autocast the LM stage to bfloat16 (CPUs with AMX / GPUs)
     eval_scenes: int = 48
