@@ -13,8 +13,8 @@ branch of the tree, next to the drafter's nodes and the context-lookup chain;
 the cost rule keeps its nodes when their measured acceptance pays, learned per
 support class (the share of voting occurrences that agree, and how many vote:
 `lookup.store_code`), so a store that does not help costs little more than one
-look-up per round (~0.6 ms on a 2.6M-token store; the index, 12 bytes per
-token and n-gram length, is built on the first query: ~4 s for that store on 2 cores).
+look-up per round (the index, 12 bytes per token and n-gram length, is built
+on the first query; costs in docs/laspec.md).
 
 Greedy decoding only, like context lookup: the target verifies every node, so
 outputs never change; a sampled tree must consist of drafter draws.
@@ -190,8 +190,8 @@ class TokenDatastore:
     def propose_with_support(self, row, num_tokens: int) -> tuple[list[int], int, list[tuple[int, int]]]:
         """[`propose`] plus each proposed token's support `(agreeing, voting)`: of the `voting` occurrences that
         agree with the chain so far and continue, `agreeing` continue with this token. The share predicts
-        acceptance far better than n (measured on SmolLM2's answers: ~0.05 below 20%, ~0.7-0.8 above 80%), so the
-        cost rule learns datastore nodes per support class (`lookup.store_code`)."""
+        acceptance far better than n (docs/laspec.md), so the cost rule learns datastore nodes per support class
+        (`lookup.store_code`)."""
         row = row.tolist() if isinstance(row, torch.Tensor) else list(row)
         if num_tokens < 1:
             return [], 0, []

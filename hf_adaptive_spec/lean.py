@@ -1,9 +1,9 @@
 """A lean forward for Llama-style text decoders: transformers' operations, without its per-module Python.
 
-Why: a verification forward of SmolLM2-135M on 2 CPU cores took ~55-65 ms, of which ~9 ms was transformers'
-Python around the tensor operations (module calls, keyword plumbing and decorators per layer, output
-recording), measured by running the same operations without it. Plain decoding pays that too; the
-speculative loop runs one target forward per round, so it is ~15% of every round.
+Why: for a small model on a CPU, a sizeable share of a verification forward is transformers' Python around
+the tensor operations (module calls, keyword plumbing and decorators per layer, output recording), measured by
+running the same operations without it (docs/ops.md has the figures). Plain decoding pays that too; the
+speculative loop runs one target forward per round, so it weighs on every round.
 
 What: `lean_forward(model)` returns a callable that runs the model's own modules through the same torch
 arithmetic in the same order as `model(...)` does: the embedding module, the rotary module, the RMSNorm

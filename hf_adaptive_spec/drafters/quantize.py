@@ -2,9 +2,9 @@
 
 A drafter only proposes tokens; the target decides every one of them, so a
 cheaper, slightly less accurate drafter never changes the output. On a CPU
-a drafter forward is bound by reading its fp32 weights: int8 weights halve
-its cost (Qwen2.5-0.5B: 104 ms -> 53 ms per token on 2 cores), which moves
-the break-even point of speculation a long way. Never apply this to the
+a drafter forward is bound by reading its fp32 weights: int8 weights about
+halve its cost (figures in docs/benchmarks.md), which moves the break-even
+point of speculation a long way. Never apply this to the
 target.
 """
 

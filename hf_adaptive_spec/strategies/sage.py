@@ -76,7 +76,7 @@ class SageConfig(StrategyConfig):
         if on_gpu(device):  # the paper's settings
             defaults = {"d_min": 3, "d_max": 8, "w_min": 2.0, "w_max": 10.0, "n_max": 64, "theta_scale": 0.1,
                         "expand_rule": "cumulative", "alpha_source": "previous_root"}
-        else:  # measured on 2 CPU cores (docs/benchmarks.md): verifying > 3 tokens costs 2-3 target steps
+        else:  # on a CPU each extra verified token costs a share of a target step (docs/benchmarks.md)
             defaults = {"d_min": 2, "d_max": 20, "w_min": 1.0, "w_max": 1.0, "n_max": 20, "theta_scale": 0.6,
                         "expand_rule": "node", "alpha_source": "current_root"}
         defaults["verify_cost"] = not on_gpu(device)
