@@ -90,21 +90,13 @@ class IndependentDrafter(Drafter):
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
               committed: tuple | None = None, pricing=None) -> DraftTree:
-        """Build one round's tree (`committed` is not read: this drafter proposes from its own forwards only).
+        """One round's tree, level by level, one drafter forward per expanded level (`Drafter.draft`).
 
-        Args:
-            strategy (`Strategy`): decides which candidates enter and grow.
-            process (callable or None): `process(logits (B, X, V), paths (B, X, D), depths (B, X), valid (B, X))`
-                applies generate's logits processors with each node's own prefix; None when there are none.
-            max_depth (`torch.LongTensor` of shape `(B,)`): deepest level each row may draft (its token budget).
-            sample (`bool`): draw each node's children without replacement from the processed drafter
-                distribution q (exponential race = Gumbel-top-k) and keep q in the tree; else take the top-k.
-            generator (`torch.Generator`, *optional*): randomness for sampling.
-            pricing (`cost.DraftPricing`, *optional*): greedy only: expand a level only while it pays for the
-                drafter forward and the verification it adds; the children it stops at stay in the tree.
-
-        Returns:
-            `DraftTree` whose root (node 0) is the last pending token.
+        Under sampling each node's children are drawn without replacement from the processed drafter
+        distribution q (exponential race = Gumbel-top-k) and q is kept in the tree. `pricing` (greedy only):
+        a level is expanded only while it pays for the drafter forward and the verification it adds; the
+        children it stops at stay in the tree. `committed` is not read: this drafter proposes from its own
+        forwards only.
         """
         if process is None:
             process = _unprocessed
