@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from . import bench_vision
-from .bench_report import _category_table, _method_table
+from .bench_report import category_table, method_table
 
 __all__ = ["refresh", "render_table"]
 
@@ -33,9 +33,9 @@ def render_table(results: dict, kind: str, dataset: str | None = None) -> list:
     if kind != "sweep" and dataset is not None and dataset not in aggregates["datasets"]:
         raise ValueError(f"the results hold no data set {dataset!r} (they hold {', '.join(aggregates['datasets'])}).")
     if kind == "methods":
-        return _method_table(aggregates["overall"] if dataset is None else aggregates["datasets"][dataset])
+        return method_table(aggregates["overall"] if dataset is None else aggregates["datasets"][dataset])
     if kind == "categories" and dataset is not None:
-        return _category_table(aggregates["categories"][dataset], list(results["methods"]))
+        return category_table(aggregates["categories"][dataset], list(results["methods"]))
     if kind == "grounded" and dataset is not None:
         return bench_vision.grounded_table(aggregates["datasets"][dataset])
     if kind == "sweep":

@@ -21,6 +21,8 @@ from .ops import cpu_linear
 
 __all__ = [
     "PLOT_FILES",
+    "category_table",
+    "method_table",
     "save_figures",
     "write_markdown",
     "write_plots",
@@ -122,7 +124,8 @@ def _speedup_cell(summary, label) -> str:
     return "–" if total is None else f"{total:.2f}x ({geomean:.2f}x)"
 
 
-def _method_table(group: dict) -> list:
+def method_table(group: dict) -> list:
+    """Markdown rows: one line per method of `group` (method -> summary), speeds, tau and the time split."""
     lines = [
         "| method | prompts | tokens/s | tau | vs plain | vs stock best | vs stock default | accept rate "
         "| draft | tree | verify | accept | compact | failures |",
@@ -142,7 +145,8 @@ def _method_table(group: dict) -> list:
     return lines
 
 
-def _category_table(categories: dict, method_names: list) -> list:
+def category_table(categories: dict, method_names: list) -> list:
+    """Markdown rows: each method's speedup over plain per category."""
     names = list(categories)
     lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for method in method_names:
@@ -196,12 +200,12 @@ def write_markdown(results: dict, path: Path) -> None:
         lines.append("")
     else:
         lines += ["Every output equals plain greedy token for token.", ""]
-    lines += ["## All data sets", ""] + _method_table(agg["overall"]) + [""]
+    lines += ["## All data sets", ""] + method_table(agg["overall"]) + [""]
     for dataset, group in agg["datasets"].items():
-        lines += [f"## {dataset}", ""] + _method_table(group) + [""]
+        lines += [f"## {dataset}", ""] + method_table(group) + [""]
         if len(agg["categories"][dataset]) > 1:
             lines += [f"### {dataset}: speedup over plain per category", ""]
-            lines += _category_table(agg["categories"][dataset], methods) + [""]
+            lines += category_table(agg["categories"][dataset], methods) + [""]
         grounded = bench_vision.grounded_table(group)
         if grounded:
             lines += [f"### {dataset}: grounded tokens (colours, shapes) vs the others", "",
@@ -231,7 +235,7 @@ def _write_outputs(results: dict, records: list, out_dir: Path, plots: bool) -> 
 
 
 def _print_summary(results: dict, out_dir: Path) -> None:
-    lines = ["", "All data sets:"] + _method_table(results["aggregates"]["overall"])
+    lines = ["", "All data sets:"] + method_table(results["aggregates"]["overall"])
     if results["failures"]["count"]:
         lines.append(f"FAILURES: {results['failures']['count']} runs (see results.md)")
         for item in results["failures"]["items"][:20]:

@@ -102,13 +102,12 @@ def _generate(self, *args, **kwargs):
     if call is None:
         return _ORIGINALS["generate"](self, *args, **kwargs)
     strategy, source = _setting(self, call, "spec_strategy")
-    speculative = strategy is not None and not (source == "model" and call.get("assistant_model") is None)
-    if calibration is not None and not speculative:
-        raise ValueError("spec_calibration is for speculative calls: pass spec_strategy=... and assistant_model=....")
-    if strategy is None:
+    # no strategy, or one saved in the model's config while this call gives no drafter: plain generate
+    if strategy is None or (source == "model" and call.get("assistant_model") is None):
+        if calibration is not None:
+            raise ValueError("spec_calibration is for speculative calls: pass spec_strategy=... and "
+                             "assistant_model=....")
         return _ORIGINALS["generate"](self, *args, **kwargs)
-    if source == "model" and call.get("assistant_model") is None:
-        return _ORIGINALS["generate"](self, *args, **kwargs)  # saved, not asked for here: plain generate
     get_strategy_class(strategy)  # unknown names fail here, listing the valid ones
     if call.get("assistant_model") is None:
         raise ValueError(f"spec_strategy={strategy!r} needs a drafter: pass assistant_model=... to generate().")

@@ -174,8 +174,9 @@ def speculative_decode(model, input_ids: torch.LongTensor, logits_processor, sto
                         streamer, assistant_model, model_kwargs, spec_calibration)
         run.prefill(raw_inputs or {})
         run.start_rounds()
-        while not bool(run.finished.all()):
-            run.round()
+        done = bool(run.finished.all())
+        while not done:
+            done = run.round()
         return run.finish()
 
 
@@ -290,7 +291,8 @@ class _Decoding:
 
     # ---- one round
 
-    def round(self) -> None:
+    def round(self) -> bool:
+        """One round; True when it ended the call (every row finished)."""
         round_start = time.perf_counter()
         active = ~self.finished
         tree, paused = self._draft(active)
@@ -300,7 +302,7 @@ class _Decoding:
         accepted = self._accept(tree, raw, active, paused)
         if bool(self.finished.all()):  # the last round: nothing to commit (`finish` returns the cache as is)
             self.last_round = (accepted.path_index, accepted.counts)
-            return
+            return True
         self._commit(tree, accepted, hidden)
         if self.cost is not None:
             round_seconds = time.perf_counter() - round_start
@@ -308,6 +310,7 @@ class _Decoding:
             self.cost.observe(tree, accepted.choice, round_seconds, tokens, verify_seconds)  # greedy: choice set
             if self.drafter.may_pause and self.cost.live_scale:  # host times are real (CPU): reading costs nothing
                 self.cost.observe_rate(not paused, round_seconds, int(tokens))
+        return False
 
     def _draft(self, active: torch.Tensor) -> tuple:
         """This round's tree, and whether drafting paused (the tree is the root alone)."""
