@@ -8,7 +8,7 @@ Without `spec_strategy`, `generate` is stock transformers.
 
 from .drafters.laspec import LaSpecDrafterConfig, LaSpecDrafterModel, LaSpecDrafterOutput, register_auto_classes
 from .drafters.hub import list_drafters, load_drafter, push_drafter_to_hub
-from .cost import SpecCalibration
+from .cost import CostProfile, SpecCalibration
 from .datastore import TokenDatastore
 from .drafters.quantize import quantize_drafter
 from .integration import install, is_installed, uninstall
@@ -43,6 +43,7 @@ __all__ = [
     "ChainConfig",
     "LaSpecConfig",
     "SageConfig",
+    "CostProfile",
     "SpecCalibration",
     "SpecGenerateOutput",
     "SpecStats",

@@ -193,6 +193,9 @@ def prior_profile(device, key: str = "") -> CostProfile:
                        source="prior")
 
 
+ENV_COST_PROFILE = "HF_ADAPTIVE_SPEC_COST_PROFILE"
+
+
 def measure_cost_curve(on: bool = True):
     """Inside a `with` block, a cost-aware call with no stored curve measures the full curve (timed sweeps, tens
     of seconds for a 1.5B target on 2 CPU cores) instead of starting from `prior_profile`. `hf_adaptive_spec.
@@ -431,6 +434,13 @@ class SpecCalibration:
     Only the size of what is verified depends on it, never a token (greedy outputs equal plain greedy either
     way). `reset()` forgets everything; a drafter's entries go with the drafter.
 
+    With `cost_profile`, the rule prices verification on that curve as given instead of the machine's measured
+    one, and nothing follows this machine's timings (no live rescaling of the curve, no pricing of drafting by
+    its measured time, no pausing of drafting): the size of what is verified then depends only on the drafter's
+    probabilities, the same on any machine at any load. `HF_ADAPTIVE_SPEC_COST_PROFILE` gives calls without a
+    `spec_calibration` such a fixed curve (`flat`: every size costs the same, so every node that can be
+    accepted is kept; or the path of a JSON file `{"sizes": [...], "seconds": [...]}`).
+
     Examples:
         >>> calibration = hf_adaptive_spec.SpecCalibration()  # doctest: +SKIP
         >>> for inputs in requests:  # doctest: +SKIP
@@ -438,8 +448,27 @@ class SpecCalibration:
         ...                     spec_calibration=calibration)
     """
 
-    def __init__(self):
+    def __init__(self, cost_profile: CostProfile | None = None):
+        if cost_profile is not None and not isinstance(cost_profile, CostProfile):
+            raise TypeError(f"SpecCalibration(cost_profile=...) takes a CostProfile, got {type(cost_profile).__name__}.")
+        self.cost_profile = cost_profile
         self._per_drafter = weakref.WeakKeyDictionary()  # drafter module -> {setting: Calibration}
+
+    @classmethod
+    def from_env(cls) -> "SpecCalibration | None":
+        """The fixed-curve calibration `HF_ADAPTIVE_SPEC_COST_PROFILE` asks for (a fresh one per call), or None."""
+        value = os.environ.get(ENV_COST_PROFILE, "").strip()
+        if not value:
+            return None
+        if value == "flat":
+            return cls(CostProfile(sizes=[1, 256], seconds=[1.0, 1.0]))
+        try:
+            data = json.loads(Path(value).expanduser().read_text())
+            profile = CostProfile(sizes=list(data["sizes"]), seconds=list(data["seconds"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{ENV_COST_PROFILE}={value!r} is neither 'flat' nor a readable JSON file "
+                             f"with 'sizes' and 'seconds': {exc}") from exc
+        return cls(profile)
 
     def get(self, drafter, setting: str, device) -> Calibration:
         """The `Calibration` of `drafter` (a module) in `setting`, made on first use."""
@@ -469,8 +498,11 @@ class CostModel:
     """
 
     def __init__(self, profile: CostProfile, max_tokens: int, device, smoothing: float = 0.3,
-                 live_scale: bool | None = None, calibration: Calibration | None = None):
+                 live_scale: bool | None = None, calibration: Calibration | None = None, timed: bool = True):
         self.profile = profile
+        # untimed (a fixed curve, `SpecCalibration(cost_profile=...)`): a round is priced at its size's cost on
+        # the curve instead of its measured time, and the curve is never rescaled
+        self.timed = timed
         self._seconds = [profile.time(n) for n in range(max_tokens + 2)]  # host copy: no device read per round
         self.table = torch.tensor(self._seconds, dtype=torch.float64, device=device)
         if calibration is None:
@@ -484,6 +516,7 @@ class CostModel:
         self.seconds_per_token = torch.tensor(profile.time(1), dtype=torch.float32, device=device)
         self.smoothing = smoothing
         self.live_scale = torch.device(device).type == "cpu" if live_scale is None else live_scale
+        self.live_scale = self.live_scale and timed
         # pausing the drafter (CPU only, where host times are real): running seconds and tokens of drafted
         # rounds and of rounds that verify the root alone, both measured in this call (ratios of running sums,
         # not running ratios: a mean of per-round seconds per token overweights the rounds that accept nothing)
@@ -580,6 +613,8 @@ class CostModel:
         verified = verified_nodes(tree, target_choice)
         self.calibrator.observe(tree, target_choice, verified)
         self.lookup_calibrator.observe(tree, target_choice, verified)
+        if not self.timed:
+            round_seconds = self._seconds[min(tree.tokens.shape[1], len(self._seconds) - 1)]
         rate = round_seconds / tokens.clamp_min(1)
         # a prior profile's level is arbitrary: the first measured round sets the level outright
         first = self.profile.source == "prior" and not self.observed

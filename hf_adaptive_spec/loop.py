@@ -278,12 +278,15 @@ class _Decoding:
         if (bool(self.finished.all()) or not self.strategy.cost_aware or self.do_sample
                 or tensor_parallel(self.model, self.assistant_model)):
             return
-        profile = verifier_cost_profile(self.target)
+        owned = self.calibration if self.calibration is not None else SpecCalibration.from_env()
+        fixed = owned is not None and owned.cost_profile is not None
+        profile = owned.cost_profile if fixed else verifier_cost_profile(self.target)
         calibration = None
-        if self.calibration is not None:
-            calibration = self.calibration.get(self.assistant_model, f"{self.strategy.name}|{profile.key}",
-                                               self.device)
-        self.cost = CostModel(profile, max_tokens=256, device=self.device, calibration=calibration)
+        if owned is not None:
+            calibration = owned.get(self.assistant_model, f"{self.strategy.name}|{profile.key}", self.device)
+        # a fixed curve is priced as given: nothing follows this machine's timings (`SpecCalibration`)
+        self.cost = CostModel(profile, max_tokens=256, device=self.device, calibration=calibration,
+                              timed=not fixed)
         if self.drafter.prices_levels and self.cost.live_scale:  # drafting is priced too (host times are real)
             self.pricing = DraftPricing(self.cost)
         self.stats.time_profile += self.clock.lap()

@@ -9,11 +9,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))  # tests import the tiny model factory as `tiny_models`
 
 import hf_adaptive_spec  # noqa: E402,F401  (installs the generate() hook)
-from hf_adaptive_spec.cost import CostModel, CostProfile, DraftPricing  # noqa: E402
-
-# Verification that costs the same at every size: the cost rule keeps every node that can be accepted.
-FLAT_COST = CostProfile(sizes=[1, 256], seconds=[0.01, 0.01])
-
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -53,11 +48,11 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _fixed_cost_curve(request, monkeypatch):
-    """Tests never depend on how fast or busy the machine is: unless a test is marked `measured_cost` (or sets
-    its own), the loop's cost rule prices nodes on a fixed flat curve, drafting is free (`DraftPricing`), and
-    drafting never pauses: all three would otherwise follow this machine's timings. Tests of the rules give
-    them fixed costs themselves."""
+    """Tests never depend on how fast or busy the machine is: unless a test is marked `measured_cost` (or passes
+    its own `SpecCalibration`), a call's cost rule prices nodes on a fixed flat curve (every node that can be
+    accepted is kept) and follows none of this machine's timings (`SpecCalibration(cost_profile=...)`, given to
+    calls without one by `HF_ADAPTIVE_SPEC_COST_PROFILE`). Tests of the rules give them fixed costs themselves."""
     if request.node.get_closest_marker("measured_cost") is None:
-        monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: FLAT_COST)
-        monkeypatch.setattr(CostModel, "pause_drafting", lambda self: False)
-        monkeypatch.setattr(DraftPricing, "observe_draft", lambda self, width, seconds: None)
+        monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_PROFILE", "flat")
+    else:
+        monkeypatch.delenv("HF_ADAPTIVE_SPEC_COST_PROFILE", raising=False)

@@ -120,19 +120,19 @@ def test_cost_rule_trims_trees_and_output_stays_exact(arch, monkeypatch):
     expected = target.generate(**inputs, max_new_tokens=20, do_sample=False)
     # verifying more than 2 new tokens (root + 1 draft) costs 100 steps: only one draft token can pay
     steep = CostProfile(sizes=[1, 2, 3], seconds=[1.0, 1.0, 100.0])
-    monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: steep)
     config = SageConfig(d_min=4, d_max=4, w_min=1, w_max=2, n_max=8, theta_scale=0.0, verify_cost=True)
     out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
-                          spec_strategy="sage", spec_config=config, return_dict_in_generate=True)
+                          spec_strategy="sage", spec_config=config, return_dict_in_generate=True,
+                          spec_calibration=cost.SpecCalibration(steep))
     assert torch.equal(out.sequences, expected)
     stats = out.spec_stats
     assert stats.drafted_tokens <= stats.row_rounds  # at most one draft node per row and round
     assert stats.pruned_tokens > 0
     # a flat curve keeps whole trees
     flat = CostProfile(sizes=[1, 64], seconds=[1.0, 1.0])
-    monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: flat)
     out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
-                          spec_strategy="sage", spec_config=config, return_dict_in_generate=True)
+                          spec_strategy="sage", spec_config=config, return_dict_in_generate=True,
+                          spec_calibration=cost.SpecCalibration(flat))
     assert torch.equal(out.sequences, expected)
     assert out.spec_stats.mean_accepted_length == pytest.approx(5.0, abs=0.6)
 
@@ -189,15 +189,15 @@ def test_measured_verification_times_rescale_the_profile():
     assert not CostModel(slow, max_tokens=8, device="meta").live_scale
 
 
-def test_calibration_is_kept_across_generate_calls_only_by_the_callers_object(monkeypatch):
+@pytest.mark.measured_cost
+def test_calibration_is_kept_across_generate_calls_only_by_the_callers_object(tmp_path, monkeypatch):
     """What the cost rule learned (acceptance per bin, lookup acceptance, live scale) carries over to the next
     call only through a `SpecCalibration` the caller passes, per drafter and setting; without one every call
     starts from the priors; `reset` forgets; another profile's scale starts fresh."""
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_CACHE", str(tmp_path))  # curves the rounds correct are kept there
     target = build_model("llama")
     drafter = build_drafter("llama", target, "small")
     inputs = make_inputs("llama", batch_size=1)
-    profile = CostProfile(sizes=[1, 2, 3], seconds=[1.0, 1.0, 1.5])
-    monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: profile)
     made = []
     original = CostModel.__init__
 
@@ -225,8 +225,8 @@ def test_calibration_is_kept_across_generate_calls_only_by_the_callers_object(mo
     assert second.calibrator is first.calibrator and second.calibration is first.calibration
     seen = float(first.calibrator.total.sum())
     assert seen > float(alone[1].calibrator.total.sum())  # the verified nodes of both calls
-    assert first.scale != 1.0  # real forwards take milliseconds, not the profile's seconds
-    assert calibration.settings() == [f"sage|{profile.key}"]
+    assert first.scale != 1.0  # the prior curve's level is arbitrary: real forwards set it
+    assert calibration.settings() == [f"sage|{first.profile.key}"]
     second_drafter = build_drafter("llama", target, "small")
     other = spec(spec_calibration=calibration, drafter=second_drafter)
     assert other.calibrator is not first.calibrator and len(calibration.settings()) == 2
@@ -238,6 +238,49 @@ def test_calibration_is_kept_across_generate_calls_only_by_the_callers_object(mo
     scale = first.scale
     fresh = CostModel(CostProfile(sizes=[1], seconds=[2.0]), max_tokens=8, device="cpu", calibration=first.calibration)
     assert fresh.scale == 1.0 and fresh.calibrator is first.calibrator and scale != 1.0
+
+
+def test_a_fixed_cost_profile_follows_no_timing(tmp_path, monkeypatch):
+    """`SpecCalibration(cost_profile=...)`: the rule prices on that curve as given, rounds cost their size's time on
+    it (not their measured time), the curve is never rescaled, and drafting is neither priced by time nor paused;
+    so two calls verify the same nodes. `HF_ADAPTIVE_SPEC_COST_PROFILE` gives it to calls without one."""
+    target = build_model("llama")
+    drafter = build_drafter("llama", target, "small")
+    inputs = make_inputs("llama", batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    curve = CostProfile(sizes=[1, 2, 3, 8], seconds=[1.0, 1.2, 1.6, 4.0])
+    made = []
+    original = CostModel.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(CostModel, "__init__", init)
+    runs = []
+    for _ in range(2):
+        out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,
+                              spec_strategy="sage", spec_config={"verify_cost": True}, return_dict_in_generate=True,
+                              spec_calibration=cost.SpecCalibration(curve))
+        assert torch.equal(out.sequences, expected)
+        model = made[-1]
+        assert model.profile is curve and not model.live_scale and model.scale == 1.0 and not model.observed
+        assert float(model.seconds_per_token) >= 1.0 / 8  # priced from the curve: no round takes a second here
+        runs.append((out.spec_stats.drafted_tokens, out.spec_stats.pruned_tokens, out.spec_stats.rounds))
+    assert runs[0] == runs[1]
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"sizes": [1, 4], "seconds": [2.0, 3.0]}))
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_PROFILE", str(path))
+    assert cost.SpecCalibration.from_env().cost_profile.seconds == [2.0, 3.0]
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_PROFILE", "flat")
+    target.generate(**inputs, max_new_tokens=4, assistant_model=drafter, spec_strategy="sage",
+                    spec_config={"verify_cost": True})
+    assert made[-1].profile.seconds == [1.0, 1.0] and not made[-1].live_scale
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_PROFILE", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="HF_ADAPTIVE_SPEC_COST_PROFILE"):
+        cost.SpecCalibration.from_env()
+    with pytest.raises(TypeError, match="CostProfile"):
+        cost.SpecCalibration(cost_profile=[1.0])
 
 
 def test_spec_calibration_is_checked():
@@ -307,6 +350,7 @@ def test_rounds_correct_a_profile_that_disagrees_with_them(tmp_path, monkeypatch
     assert cost.refine_profile(busy, {1: [1.0] * 4}) is busy  # too few forwards to judge
 
 
+@pytest.mark.measured_cost
 def test_generate_refines_the_stored_profile(tmp_path, monkeypatch):
     """The loop feeds its verification times back: a stored profile 1000x slower than this machine (seconds
     where forwards take milliseconds) is replaced after one call."""

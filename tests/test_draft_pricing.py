@@ -73,8 +73,10 @@ def test_verification_cost_counts_too(free_tokens):
     assert tree.num_levels == free_tokens - 1
 
 
+@pytest.mark.measured_cost  # drafting is priced by this machine's timings: only the tree's size depends on them
 @pytest.mark.parametrize("batch_size", [1, 2])
-def test_priced_drafting_keeps_generate_exact(batch_size):
+def test_priced_drafting_keeps_generate_exact(batch_size, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_CACHE", str(tmp_path))
     target = build_model("llama")
     inputs = make_inputs("llama", batch_size=batch_size)
     expected = target.generate(**inputs, max_new_tokens=20, do_sample=False)
