@@ -526,6 +526,20 @@ class CostModel:
         self._paused_in_a_row = 0
         self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
+    def use_profile(self, profile: CostProfile) -> None:
+        """Price on `profile` from now on (the batch changed size): this call's forwards first correct the
+        profile they ran against (`refine_profile`); the live scale and the drafted / undrafted rates restart."""
+        if profile is self.profile:
+            return
+        self.refine_profile()
+        self.profile = profile
+        self._seconds = [profile.time(n) for n in range(len(self._seconds))]
+        self.table = torch.tensor(self._seconds, dtype=torch.float64, device=self.table.device)
+        self.calibration.profile, self.calibration.scale = profile, 1.0
+        self.observed = {}
+        self._drafted, self._plain = [0.0, 0.0], [0.0, 0.0]
+        self._drafted_rounds = self._paused_in_a_row = 0
+
     # a paused call drafts again every `PROBE_EVERY` rounds, to see whether drafting pays again
     PROBE_EVERY = 8
     MIN_DRAFTED_ROUNDS = 8

@@ -23,6 +23,15 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
+def commit_last_round(target, last_round=None) -> None:
+    """Commit the path slots of all tokens but the last that a final, uncommitted round emitted (`last_round` as
+    in `returned_cache`; None: nothing to commit)."""
+    if last_round is not None:
+        path_index, counts = last_round
+        keep = max(int(counts.max()), 1)
+        target.commit(path_index[:, :keep], torch.arange(keep, device=counts.device)[None, :] < counts[:, None])
+
+
 def returned_cache(target, buffer, last_round=None):
     """`target`'s cache (a `ModelRunner`'s), laid out for `buffer.sequences()`; the cache object is updated in place.
 
@@ -34,10 +43,7 @@ def returned_cache(target, buffer, last_round=None):
             `(B,)`. The path slots of all emitted tokens but the last are kept.
     """
     cache = target.cache
-    if last_round is not None:
-        path_index, counts = last_round
-        keep = max(int(counts.max()), 1)
-        target.commit(path_index[:, :keep], torch.arange(keep, device=counts.device)[None, :] < counts[:, None])
+    commit_last_round(target, last_round)
     prompt_length = buffer.prompt_length
     lengths = buffer.lengths
     width = int(lengths.max()) - 1  # plain generate's cache length

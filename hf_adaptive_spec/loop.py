@@ -22,11 +22,12 @@ from .compat import cache_from_kwargs, check_cache, check_model, check_pair
 from .cost import CostModel, DraftPricing, SpecCalibration, verifier_cost_profile
 from .drafters.base import TargetPrefill, VerifiedRound
 from .drafters.factory import make_drafter
-from .final_cache import CACHE_FIELD, returned_cache
+from .final_cache import CACHE_FIELD, commit_last_round, returned_cache
 from .lean import use_lean_forward
 from .ops import cpu_linear
 from .placement import execution_device, tensor_parallel
-from .processors import SequenceBuffer, StopChecker, process_logits
+from .processors import SequenceBuffer, StopChecker, process_logits, row_free
+from .retire import RetiredRows
 from .runner import ModelRunner
 from .windows import full_layer_cache
 from .strategies import get_strategy_class, resolve_config
@@ -61,6 +62,7 @@ class SpecStats:
             LaSpec drafter with the cost rule on a CPU; `CostModel.pause_drafting`); counted in `rounds`.
         time_visual: seconds spent selecting visual tokens for a LaSpec drafter (int8 keys at the prefill, the
             score-and-vote each round); `time_visual / rounds` is the per-round selection cost.
+        retired_rows: rows that finished and left the batch before the call ended (`retire_rows`).
     """
 
     strategy: str = ""
@@ -83,6 +85,7 @@ class SpecStats:
     paused_rounds: int = 0
     unpaid_levels: int = 0
     time_visual: float = 0.0
+    retired_rows: int = 0
     time_total: float = 0.0
 
     @property
@@ -209,9 +212,16 @@ class _Decoding:
                                    generation_config.max_length)
         self.finished = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
         self.clock = _Clock()
-        self.trace = _RoundTrace()
+        self.trace = _RoundTrace(self.batch_size)
         self.strategy = self.target = self.cost = self.pricing = None
         self.last_round = None  # (path_index, counts) of a final round that ended the call before its commit
+        # finished rows leave the batch between rounds (`retire_rows`); `rows`: each remaining row's row in the call
+        self.rows = torch.arange(self.batch_size, device=self.device)
+        self.retired = None
+        self._owned_calibration = None
+        if (self.config.retire_rows and self.batch_size > 1 and row_free(logits_processor)
+                and not tensor_parallel(model, assistant_model)):
+            self.retired = RetiredRows(self.batch_size, keep_cache=bool(return_dict))
 
     def _enter_runtime_settings(self) -> None:
         """The config's runtime settings, for this call (those left None follow the caller's context)."""
@@ -278,9 +288,10 @@ class _Decoding:
         if (bool(self.finished.all()) or not self.strategy.cost_aware or self.do_sample
                 or tensor_parallel(self.model, self.assistant_model)):
             return
-        owned = self.calibration if self.calibration is not None else SpecCalibration.from_env()
+        owned = self._owned_calibration = (self.calibration if self.calibration is not None
+                                           else SpecCalibration.from_env())
         fixed = owned is not None and owned.cost_profile is not None
-        profile = owned.cost_profile if fixed else verifier_cost_profile(self.target)
+        profile = self._cost_profile()
         calibration = None
         if owned is not None:
             calibration = owned.get(self.assistant_model, f"{self.strategy.name}|{profile.key}", self.device)
@@ -291,6 +302,13 @@ class _Decoding:
             self.pricing = DraftPricing(self.cost)
         self.stats.time_profile += self.clock.lap()
         self.stats.time_setup += self.stats.time_profile
+
+    def _cost_profile(self):
+        """The verifier's cost curve for the batch as it is now (a fixed one if the calibration carries it)."""
+        owned = self._owned_calibration
+        if owned is not None and owned.cost_profile is not None:
+            return owned.cost_profile
+        return verifier_cost_profile(self.target)
 
     # ---- one round
 
@@ -303,7 +321,8 @@ class _Decoding:
             tree = self._trim(tree, active)
         raw, hidden, verify_seconds = self._verify(tree)
         accepted = self._accept(tree, raw, active, paused)
-        if bool(self.finished.all()):  # the last round: nothing to commit (`finish` returns the cache as is)
+        finished = int(self.finished.sum())
+        if finished == self.batch_size:  # the last round: nothing to commit (`finish` returns the cache as is)
             self.last_round = (accepted.path_index, accepted.counts)
             return True
         self._commit(tree, accepted, hidden)
@@ -313,7 +332,27 @@ class _Decoding:
             self.cost.observe(tree, accepted.choice, round_seconds, tokens, verify_seconds)  # greedy: choice set
             if self.drafter.may_pause and self.cost.live_scale:  # host times are real (CPU): reading costs nothing
                 self.cost.observe_rate(not paused, round_seconds, int(tokens))
+        if self.retired is not None and finished and 4 * finished >= self.batch_size:
+            self._retire()
         return False
+
+    def _retire(self) -> None:
+        """Finished rows leave the batch (once they are a quarter of it: each exit copies the remaining rows'
+        cache once): the target's cache, the drafter's and the strategy's state keep the other rows; what the
+        output needs of the finished ones is kept aside (`RetiredRows`); the cost rule prices the smaller batch."""
+        keep, gone = (~self.finished).nonzero().squeeze(1), self.finished.nonzero().squeeze(1)
+        self.retired.add(self.rows[gone], gone, self.buffer, self.target)
+        for part in (self.buffer, self.target, self.drafter, self.strategy):
+            part.keep_rows(keep)
+        self.finished, self.first_real, self.rows = self.finished[keep], self.first_real[keep], self.rows[keep]
+        self.batch_size = int(keep.shape[0])
+        if self.cost is not None:
+            self.cost.use_profile(self._cost_profile())
+            if self.pricing is not None:
+                stopped, self.pricing = self.pricing.stopped_levels, DraftPricing(self.cost)
+                self.pricing.stopped_levels = stopped
+        self.stats.retired_rows += int(gone.shape[0])
+        self.stats.time_compact += self.clock.lap()
 
     def _draft(self, active: torch.Tensor) -> tuple:
         """This round's tree, and whether drafting paused (the tree is the root alone)."""
@@ -385,7 +424,9 @@ class _Decoding:
         self._emit(new_tokens, counts, scores, raw)
         self.finished |= done & active
         self.stats.rounds += 1
-        self.trace.record(active, tree.num_drafted(), accept_length, self.strategy.round_values())
+        retired = self.retired is not None and self.retired.count > 0
+        self.trace.record(active, tree.num_drafted(), accept_length, self.strategy.round_values(),
+                          rows=self.rows if retired else None)
         if not paused:  # a root-only round says nothing about the strategy's trees
             self.strategy.observe(accept_length, active)
         self.stats.time_accept += self.clock.lap()
@@ -409,11 +450,11 @@ class _Decoding:
             self.streamer.put(tokens[:, : int(counts[0])].cpu())
         if self.row_scores is None and self.row_logits is None:
             return
-        for row, count in enumerate(counts.tolist()):
+        for row, (original, count) in enumerate(zip(self.rows.tolist(), counts.tolist())):
             if self.row_scores is not None:
-                self.row_scores[row].extend(scores[row, :count])
+                self.row_scores[original].extend(scores[row, :count])
             if self.row_logits is not None:
-                self.row_logits[row].extend(raw[row, :count])
+                self.row_logits[original].extend(raw[row, :count])
 
     # ---- finish
 
@@ -427,13 +468,19 @@ class _Decoding:
         if self.pricing is not None:
             stats.unpaid_levels = self.pricing.stopped_levels
         self.trace.finish(stats)
+        # a final round that ended the call was not committed: its tree is still the cache's tail
+        last_round = self.last_round if self.cache.get_seq_length() > self.target.committed_length else None
+        if self.retired is not None and self.retired.count:  # rows that left the batch come back, in order
+            self.retired.restore_buffer(buffer, self.rows)
+            if self.retired.keep_cache:
+                commit_last_round(self.target, last_round)
+                self.retired.restore_cache(self.target, self.rows)
+                last_round = None
         stats.new_tokens = int((buffer.lengths - buffer.prompt_length).sum())
         stats.time_total = time.perf_counter() - self.start_time
         sequences = buffer.sequences()
         if not self.generation_config.return_dict_in_generate:
             return sequences
-        # a final round that ended the call was not committed: its tree is still the cache's tail
-        last_round = self.last_round if self.cache.get_seq_length() > self.target.committed_length else None
         return SpecGenerateOutput(
             sequences=sequences,
             scores=_stack_steps(self.row_scores, buffer, sequences),
@@ -476,12 +523,22 @@ def _expand(path_index, values):
 class _RoundTrace:
     """Per-round statistics kept on the device and read back once at the end (no host sync per round)."""
 
-    def __init__(self):
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
         self.active, self.drafted, self.accepted = [], [], []
         self.values = {}  # name -> [(B,) per round]: what the strategy reports
         self.pruned = 0  # draft nodes trimmed by the cost model (a device scalar once a round adds to it)
 
-    def record(self, active, drafted, accepted, values: dict):
+    def record(self, active, drafted, accepted, values: dict, rows=None):
+        """One round's `(B,)` values; `rows`: the call's row of each (when rows left the batch), else None."""
+        if rows is not None:  # back to the call's rows: rows that left are inactive
+            def full(value):
+                out = value.new_zeros((self.batch_size,) + tuple(value.shape[1:]))
+                out[rows] = value
+                return out
+
+            active, drafted, accepted = full(active), full(drafted), full(accepted)
+            values = {name: full(value) for name, value in values.items()}
         self.active.append(active)
         self.drafted.append(drafted)
         self.accepted.append(accepted)

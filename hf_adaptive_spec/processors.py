@@ -41,6 +41,10 @@ class SequenceBuffer:
         self.ids.scatter_(1, columns, torch.where(keep, tokens, current))
         self.lengths += counts
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep rows `rows` `(B',)` only, in that order."""
+        self.ids, self.lengths = self.ids[rows], self.lengths[rows]
+
     def sequences(self) -> torch.Tensor:
         """`(B, max length)`: the rows, right-filled with the pad token like plain generate's output."""
         return self.ids[:, : int(self.lengths.max())].clone()
@@ -63,7 +67,7 @@ _ROW_FREE = tuple(
 )
 
 
-def _row_free(processors) -> bool:
+def row_free(processors) -> bool:
     for processor in processors:
         if not isinstance(processor, _ROW_FREE):
             return False
@@ -106,11 +110,11 @@ def process_logits(processors, buffer: SequenceBuffer, paths, depths, logits, va
         return logits
     out = logits.clone()
     totals = buffer.lengths[:, None] + depths  # (B, X) length of each query's input_ids
-    row_free = _row_free(processors)
+    packable = row_free(processors)
     batch = logits.shape[0]
     for total in torch.unique(totals[valid]).tolist():
         selected = valid & (totals == total)
-        if row_free:
+        if packable:
             rows, cols = torch.nonzero(selected, as_tuple=True)
             ids = _query_ids(buffer, paths, depths, rows, cols, total)
             out[rows, cols] = processors(ids, logits[rows, cols])

@@ -134,6 +134,17 @@ class ModelRunner:
         self.model_time += time.perf_counter() - start
         return output
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep rows `rows` `(B',)` of the cache and the bookkeeping only, in that order (between rounds: the
+        cache holds committed slots only). Each layer's cache is selected on its own device."""
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
+            layer.values = layer.values.index_select(0, rows.to(layer.values.device))
+        self.slot_valid = self.slot_valid[rows]
+        self.next_position = self.next_position[rows]
+        if self.rope_deltas is not None:  # (B,) or (R, B)
+            self.rope_deltas = self.rope_deltas[..., rows]
+
     def commit(self, keep_index: torch.Tensor, keep_valid: torch.Tensor) -> None:
         """Keep tail slots `keep_index` `(B, K)` (in order) as committed; `keep_valid` `(B, K)` marks real ones."""
         start = self.committed_length

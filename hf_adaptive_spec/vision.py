@@ -111,6 +111,14 @@ class VisualKeyStore:
             scales[layer] = layer_scale.masked_fill(pad, 0.0)
         return cls(quantized, scales, positions, valid, counts)
 
+    def keep_rows(self, rows: torch.Tensor) -> VisualKeyStore:
+        """The store of rows `rows` `(B',)` only, in that order, cut to their longest row's visual tokens."""
+        counts = tuple(self.counts[row] for row in rows.tolist())
+        width = max(counts, default=0)
+        return VisualKeyStore({layer: q[rows][:, :, :width] for layer, q in self.quantized.items()},
+                              {layer: s[rows][:, :, :width] for layer, s in self.scales.items()},
+                              self.positions[rows][:, :width], self.valid[rows][:, :width], counts)
+
     def dequantize(self, layer: int) -> torch.Tensor:
         """Float keys `(B, H_kv, T, D)` of `layer` (for inspection and tests)."""
         return self.quantized[layer].float() * self.scales[layer]

@@ -249,8 +249,8 @@ def test_drafter_context_equals_recomputation(arch, recorded):
         for parameter in drafter.parameters():
             parameter.copy_(parameter.bfloat16().float())
     out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
-                          spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 2})
-    state = recorded[-1]
+                          spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 2, "retire_rows": False})
+    state = recorded[-1]  # (rows kept in the batch to the end: the state holds both)
     full_mask = torch.cat([inputs["attention_mask"], torch.ones_like(out[:, inputs["input_ids"].shape[1]:])], 1)
     extra = out.shape[1] - inputs["input_ids"].shape[1]
     full = {**inputs, "input_ids": out, "attention_mask": full_mask}
@@ -295,7 +295,8 @@ def test_visual_selection_runs_each_round_and_keeps_output(arch, recorded):
     assert torch.equal(out.sequences, expected)
     state = recorded[-1]
     assert state.uses_vision
-    assert state.visual_embeds.shape[:2] == (2, 3) and bool(state.visual_valid.all())
+    rows = 2 - out.spec_stats.retired_rows  # a row that finished first may have left the batch
+    assert state.visual_embeds.shape[:2] == (rows, 3) and bool(state.visual_valid.all())
     assert out.spec_stats.time_visual > 0
     # an untrained (zero) gate is an exact no-op, so the loop skips selection entirely
     recorded.clear()

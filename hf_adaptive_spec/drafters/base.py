@@ -131,3 +131,8 @@ class Drafter:
     def finish_round(self, verified: VerifiedRound) -> None:
         """Keep the accepted path; the bonus token becomes the pending root."""
         raise NotImplementedError
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep the state of rows `rows` `(B',)` only, in that order (between rounds: finished rows left the
+        batch)."""
+        raise NotImplementedError

@@ -135,6 +135,16 @@ class BlockDrafter(Drafter):
                     verified.bonus)
         self.select_visual(verified.path_index.gather(1, verified.accept_length[:, None]).squeeze(1))
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.context = self.context.keep_rows(rows)
+        for name in ("context_valid", "context_positions", "previous_state", "root", "root_position",
+                     "prompt_embeds", "image_mask", "visual_embeds", "visual_valid"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[rows])
+        if self.visual_store is not None:
+            self.visual_store = self.visual_store.keep_rows(rows)
+
     # ---- vision
 
     @property

@@ -87,6 +87,10 @@ class IndependentDrafter(Drafter):
     def set_pending(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         self.pending, self.pending_valid = tokens, valid
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.runner.keep_rows(rows)
+        self.pending, self.pending_valid = self.pending[rows], self.pending_valid[rows]
+
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
               committed: tuple | None = None, pricing=None) -> DraftTree:

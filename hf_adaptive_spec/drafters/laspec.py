@@ -306,6 +306,9 @@ class ContextKV:
     def batch_size(self) -> int:
         return self.keys[0].shape[0]
 
+    def keep_rows(self, rows: torch.Tensor) -> ContextKV:
+        return ContextKV([k[rows] for k in self.keys], [v[rows] for v in self.values])
+
     def extend(self, other: ContextKV) -> ContextKV:
         return ContextKV([torch.cat([a, b], dim=2) for a, b in zip(self.keys, other.keys)],
                          [torch.cat([a, b], dim=2) for a, b in zip(self.values, other.values)])

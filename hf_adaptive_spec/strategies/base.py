@@ -58,15 +58,19 @@ class StrategyConfig:
       `lean.use_lean_forward(False)` is in force.
     - `host_trees` (`bool`, defaults to True): a LaSpec block drafter at batch 1 (greedy, no processors)
       builds its tree with host lists (`drafters.host_tree`: the same tree).
+    - `retire_rows` (`bool`, defaults to True): at batch > 1, rows that finished leave the batch between rounds
+      (their cache and state are dropped; the output is assembled as before), so the forwards of the rows still
+      decoding no longer carry them. Not with logits processors that read a row's index in the batch.
     """
 
     cpu_kernels: bool | None = field(default=None, kw_only=True)
     compact_weights: bool | None = field(default=None, kw_only=True)
     lean_forward: bool | None = field(default=None, kw_only=True)
     host_trees: bool = field(default=True, kw_only=True)
+    retire_rows: bool = field(default=True, kw_only=True)
 
     def __post_init__(self):
-        for name in ("cpu_kernels", "compact_weights", "lean_forward", "host_trees"):
+        for name in ("cpu_kernels", "compact_weights", "lean_forward", "host_trees", "retire_rows"):
             check_bool(self, name)
         self.validate()
 
@@ -201,6 +205,8 @@ class Strategy:
     # False: every round must draft (a round that verifies the root alone, when drafting does not pay, would not
     # follow the strategy's per-round state)
     may_pause: bool = True
+    # names of the `(B, ...)` tensors that hold per-row state (`keep_rows` selects them when rows leave)
+    row_state: tuple = ()
 
     def __init__(self, config: StrategyConfig, batch_size: int, device: torch.device):
         self.config = config
@@ -241,6 +247,12 @@ class Strategy:
 
     def observe(self, accept_length: torch.Tensor, active: torch.Tensor) -> None:
         """Called after verification with accepted draft tokens per row `(B,)` and active rows `(B,)`."""
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep the state of rows `rows` `(B',)` only, in that order (finished rows left the batch)."""
+        for name in self.row_state:
+            setattr(self, name, getattr(self, name)[rows])
+        self.batch_size = rows.shape[0]
 
 
 def descending_rank(scores: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,8 @@ class ChainStrategy(Strategy):
     name = "chain"
     config_class = ChainConfig
 
+    row_state = ("length",)
+
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
         self.length = torch.full((batch_size,), config.num_draft_tokens, dtype=torch.long, device=device)

@@ -86,6 +86,8 @@ class LaSpecStrategy(Strategy):
     config_class = LaSpecConfig
     requires_block_drafter = True
 
+    row_state = ("nodes_used",)
+
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
         self.nodes_used = torch.zeros(batch_size, dtype=torch.long, device=device)

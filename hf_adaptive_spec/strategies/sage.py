@@ -116,6 +116,8 @@ class SageStrategy(Strategy):
     config_class = SageConfig
     may_pause = False  # each round's root confidence plans a tree (the next round's, by default)
 
+    row_state = ("alpha", "next_alpha", "d_max", "history", "history_count", "nodes_used")
+
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
         c = config

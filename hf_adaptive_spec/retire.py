@@ -1,0 +1,70 @@
+"""Rows that leave a batch before the call ends.
+
+At batch > 1 a row that finished (its EOS, a stopping criterion, its token limit) would otherwise stay in every
+later forward until the last row ends, as plain generate keeps it. Between rounds the loop drops finished rows
+from the target's cache, the drafter's and the strategy's state (`keep_rows` of each), and `RetiredRows` keeps
+what the output needs of them: their tokens, and their cache when the output carries the cache. At the end
+both are put back in the original row order, so the output is laid out exactly as without retirement.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RetiredRows"]
+
+
+class RetiredRows:
+    """What the output needs of the rows that left the batch.
+
+    Args:
+        batch_size (`int`): rows of the call.
+        keep_cache (`bool`): also keep each retired row's cache (the output returns the target's cache).
+    """
+
+    def __init__(self, batch_size: int, keep_cache: bool):
+        self.batch_size = batch_size
+        self.keep_cache = keep_cache
+        self.groups = []  # (original rows (R,), ids (R, C), lengths (R,), cache or None)
+
+    @property
+    def count(self) -> int:
+        return sum(group[0].shape[0] for group in self.groups)
+
+    def add(self, original_rows: torch.Tensor, rows: torch.Tensor, buffer, target) -> None:
+        """Keep rows `rows` (indices into the current batch; `original_rows` their rows in the call) of the
+        sequence `buffer` and, if `keep_cache`, of `target`'s committed cache."""
+        cache = None
+        if self.keep_cache:
+            layers = [(layer.keys.index_select(0, rows.to(layer.keys.device)),
+                       layer.values.index_select(0, rows.to(layer.values.device))) for layer in target.cache.layers]
+            cache = (layers, target.slot_valid[rows])
+        self.groups.append((original_rows, buffer.ids[rows], buffer.lengths[rows], cache))
+
+    def restore_buffer(self, buffer, live_rows: torch.Tensor) -> None:
+        """`buffer` (the rows still in the batch, originally `live_rows`) holds every row again, in order."""
+        ids = buffer.ids.new_empty((self.batch_size, buffer.ids.shape[1]))
+        lengths = buffer.lengths.new_empty((self.batch_size,))
+        ids[live_rows], lengths[live_rows] = buffer.ids, buffer.lengths
+        for rows, group_ids, group_lengths, _ in self.groups:
+            ids[rows], lengths[rows] = group_ids, group_lengths
+        buffer.ids, buffer.lengths = ids, lengths
+
+    def restore_cache(self, target, live_rows: torch.Tensor) -> None:
+        """`target`'s cache and `slot_valid` (committed slots only) hold every row again, in order; a retired row's
+        slots past its own committed ones are invalid holes (zeros)."""
+        width = target.slot_valid.shape[1]
+        slot_valid = target.slot_valid.new_zeros((self.batch_size, width))
+        slot_valid[live_rows] = target.slot_valid
+        for rows, _, _, (_, group_valid) in self.groups:
+            slot_valid[rows, : group_valid.shape[1]] = group_valid
+        for index, layer in enumerate(target.cache.layers):
+            for kind, name in enumerate(("keys", "values")):
+                tensor = getattr(layer, name)
+                full = tensor.new_zeros((self.batch_size,) + tuple(tensor.shape[1:]))
+                full[live_rows.to(tensor.device)] = tensor
+                for rows, _, _, (layers, _) in self.groups:
+                    kept = layers[index][kind]
+                    full[rows.to(tensor.device), :, : kept.shape[2]] = kept
+                setattr(layer, name, full)
+        target.slot_valid = slot_valid
