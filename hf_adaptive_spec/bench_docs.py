@@ -9,7 +9,8 @@ and what to draw from it::
 
 Kinds: ``methods [DATASET]`` (the method table of one data set, or of all), ``categories DATASET`` (speedup over
 plain per category), ``grounded DATASET`` (grounded-token acceptance) and ``sweep`` (the visual-token sweep):
-the same tables the bench writes in its ``results.md``. Everything between the markers is replaced; the prose
+the same tables the bench writes in its ``results.md``; from a ``--load-sweep``'s ``load_sweep.json``,
+``load throughput``, ``load tau`` and ``load sizes`` (the tables of its ``load_sweep.md``). Everything between the markers is replaced; the prose
 around them is the author's.
 """
 
@@ -19,7 +20,7 @@ import json
 import re
 from pathlib import Path
 
-from . import bench_vision
+from . import bench_load, bench_vision
 from .bench_report import category_table, method_table
 
 __all__ = ["refresh", "render_table"]
@@ -29,6 +30,11 @@ _BLOCK = re.compile(r"(<!-- bench-table: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!
 
 def render_table(results: dict, kind: str, dataset: str | None = None) -> list:
     """The Markdown lines of one table of a bench `results.json` (see the module docstring)."""
+    if kind == "load":
+        tables = bench_load.sweep_tables(results)
+        if dataset not in tables:
+            raise ValueError(f"unknown load table {dataset!r}: valid are {', '.join(tables)}.")
+        return tables[dataset]
     aggregates = results["aggregates"]
     if kind != "sweep" and dataset is not None and dataset not in aggregates["datasets"]:
         raise ValueError(f"the results hold no data set {dataset!r} (they hold {', '.join(aggregates['datasets'])}).")
@@ -43,7 +49,7 @@ def render_table(results: dict, kind: str, dataset: str | None = None) -> list:
             raise ValueError("the results hold no visual-token sweep (bench --visual-tokens).")
         return bench_vision.sweep_table(results["visual_sweep"])
     raise ValueError(f"unknown table {kind!r}{' ' + dataset if dataset else ''}: valid are methods [DATASET], "
-                     "categories DATASET, grounded DATASET, sweep.")
+                     "categories DATASET, grounded DATASET, sweep, load throughput|tau|sizes.")
 
 
 def refresh(path, check: bool = False) -> list:

@@ -918,22 +918,12 @@ def _failure_lines(failures: dict) -> list:
     return lines + [""]
 
 
-def sweep_markdown(results: dict) -> str:
-    """``load_sweep.md``: setup, failures, throughput / speedup, tau and structure size per level and method."""
+def sweep_tables(results: dict) -> dict:
+    """The sweep's Markdown tables, `{"throughput", "tau", "sizes"}` -> lines (methods x levels)."""
     levels = results["settings"]["levels"]
     methods = list(results["methods"])
     cell = {(r["method"], r["level"]): r for r in results["records"]}
     best = {b["level"]: b for b in results["best_fixed"]}
-    lines = ["# hf_adaptive_spec under load: concurrency sweep", ""] + _setup_lines(results)
-    lines += ["- order of methods rotated per level"] + _method_lines(results["methods"])
-    lines += [f"- {name}: not run ({reason})" for name, reason in results["skipped_methods"].items()]
-    lines += ["", "b: rows decoding together (the first b prompts, left-padded). Throughput: new tokens over all rows "
-              "(each up to its EOS) / seconds of the batch's `generate`; speedup: plain's seconds / the method's, "
-              "same batch. tau: tokens per row and target verification forward. Nodes per round: draft nodes "
-              "verified per row and round (SpecStats drafted_tokens / row_rounds; root not counted); in brackets "
-              "the candidates before the cost rule trimmed them. best fixed: the fixed structure of highest "
-              "throughput at that level, picked after the fact from these runs.", ""]
-    lines += _failure_lines(results["failures"])
     head = "| method | " + " | ".join(f"b={b}" for b in levels) + " |"
     rule = "|---|" + "---:|" * len(levels)
 
@@ -948,22 +938,39 @@ def sweep_markdown(results: dict) -> str:
             text += f" ({r['speedup_vs_plain']:.2f}x)"
         return text + (" FAIL" if r["matches_plain"] is False or r["error"] else "")
 
-    lines += ["## Throughput (tokens/s; speedup over plain)", "", head, rule]
-    lines += [row(name, throughput) for name in methods]
-    lines.append("| best fixed | " + " | ".join(
-        f"{best[b]['method']} {best[b]['tokens_per_s']:.1f} ({bench_report._fmt(best[b]['speedup_vs_plain'])}x)"
-        if b in best else "–" for b in levels) + " |")
-    lines += ["", "## tau", "", head, rule]
-    lines += [row(name, lambda r: "–" if r is None else bench_report._fmt(r.get("tau"))) for name in methods]
-    lines += ["", "## Structure verified: draft nodes per row and round (candidates before the cost rule)", "", head,
-              rule]
-
     def size(r):
         if r is None or r.get("nodes_per_round") is None:
             return "–"
         return f"{r['nodes_per_round']:.2f} ({r['candidates_per_round']:.2f})"
 
-    lines += [row(name, size) for name in methods if name != PLAIN]
+    best_row = "| best fixed | " + " | ".join(
+        f"{best[b]['method']} {best[b]['tokens_per_s']:.1f} ({bench_report._fmt(best[b]['speedup_vs_plain'])}x)"
+        if b in best else "–" for b in levels) + " |"
+    return {
+        "throughput": [head, rule] + [row(name, throughput) for name in methods] + [best_row],
+        "tau": [head, rule] + [row(name, lambda r: "–" if r is None else bench_report._fmt(r.get("tau")))
+                               for name in methods],
+        "sizes": [head, rule] + [row(name, size) for name in methods if name != PLAIN],
+    }
+
+
+def sweep_markdown(results: dict) -> str:
+    """``load_sweep.md``: setup, failures, throughput / speedup, tau and structure size per level and method."""
+    lines = ["# hf_adaptive_spec under load: concurrency sweep", ""] + _setup_lines(results)
+    lines += ["- order of methods rotated per level"] + _method_lines(results["methods"])
+    lines += [f"- {name}: not run ({reason})" for name, reason in results["skipped_methods"].items()]
+    lines += ["", "b: rows decoding together (the first b prompts, left-padded). Throughput: new tokens over all rows "
+              "(each up to its EOS) / seconds of the batch's `generate`; speedup: plain's seconds / the method's, "
+              "same batch. tau: tokens per row and target verification forward. Nodes per round: draft nodes "
+              "verified per row and round (SpecStats drafted_tokens / row_rounds; root not counted); in brackets "
+              "the candidates before the cost rule trimmed them. best fixed: the fixed structure of highest "
+              "throughput at that level, picked after the fact from these runs.", ""]
+    lines += _failure_lines(results["failures"])
+    tables = sweep_tables(results)
+    lines += ["## Throughput (tokens/s; speedup over plain)", ""] + tables["throughput"]
+    lines += ["", "## tau", ""] + tables["tau"]
+    lines += ["", "## Structure verified: draft nodes per row and round (candidates before the cost rule)", ""]
+    lines += tables["sizes"]
     plots = results.get("plots", {})
     if plots.get("files"):
         lines += ["", "## Plots", ""] + [f"![{name}]({file})" for name, file in plots["files"].items()]
