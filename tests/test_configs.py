@@ -83,7 +83,7 @@ BAD_VALUES = [
 BAD_VALUES += [(config_class, name, value, TypeError)
                for config_class in (ChainConfig, StaticTreeConfig, SageConfig, LaSpecConfig)
                for name, value in (("cpu_kernels", "no"), ("compact_weights", 1), ("lean_forward", "yes"),
-                                   ("host_trees", None))]
+                                   ("host_trees", None), ("retire_rows", "yes"))]
 
 
 @pytest.mark.parametrize("config_class, name, value, error", BAD_VALUES,
@@ -191,7 +191,7 @@ def test_to_dict_from_dict_round_trip_through_json(config):
 def test_static_tree_paths_come_back_as_tuples():
     values = json.loads(json.dumps(StaticTreeConfig(paths=[(0,), (0, 1), (0, 0)]).to_dict()))
     assert values == {"paths": [[0], [0, 0], [0, 1]], "cpu_kernels": None, "compact_weights": None,
-                      "lean_forward": None, "host_trees": True}
+                      "lean_forward": None, "host_trees": True, "retire_rows": True}
     assert StaticTreeConfig.from_dict(values).paths == [(0,), (0, 0), (0, 1)]
 
 
@@ -254,6 +254,6 @@ def test_runtime_settings_apply_to_their_call_only():
     assert lean.lean_forward(target) is not None and not cpu_linear.active()
     from dataclasses import fields
 
-    runtime = {"cpu_kernels", "compact_weights", "lean_forward", "host_trees"}
+    runtime = {"cpu_kernels", "compact_weights", "lean_forward", "host_trees", "retire_rows"}
     for config_class in (ChainConfig, StaticTreeConfig, SageConfig, LaSpecConfig):  # positional fields do not shift
         assert all(f.kw_only for f in fields(config_class) if f.name in runtime)
