@@ -10,7 +10,8 @@ and what to draw from it::
 Kinds: ``methods [DATASET]`` (the method table of one data set, or of all), ``categories DATASET`` (speedup over
 plain per category), ``grounded DATASET`` (grounded-token acceptance) and ``sweep`` (the visual-token sweep):
 the same tables the bench writes in its ``results.md``; from a ``--load-sweep``'s ``load_sweep.json``,
-``load throughput``, ``load tau`` and ``load sizes`` (the tables of its ``load_sweep.md``). Everything between the markers is replaced; the prose
+``load throughput``, ``load tau`` and ``load sizes`` (the tables of its ``load_sweep.md``), and from an
+``--arrivals`` run's ``arrivals.json``, ``arrivals``. Everything between the markers is replaced; the prose
 around them is the author's.
 """
 
@@ -30,6 +31,8 @@ _BLOCK = re.compile(r"(<!-- bench-table: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!
 
 def render_table(results: dict, kind: str, dataset: str | None = None) -> list:
     """The Markdown lines of one table of a bench `results.json` (see the module docstring)."""
+    if kind == "arrivals":
+        return bench_load.arrivals_table(results)
     if kind == "load":
         tables = bench_load.sweep_tables(results)
         if dataset not in tables:
@@ -49,7 +52,7 @@ def render_table(results: dict, kind: str, dataset: str | None = None) -> list:
             raise ValueError("the results hold no visual-token sweep (bench --visual-tokens).")
         return bench_vision.sweep_table(results["visual_sweep"])
     raise ValueError(f"unknown table {kind!r}{' ' + dataset if dataset else ''}: valid are methods [DATASET], "
-                     "categories DATASET, grounded DATASET, sweep, load throughput|tau|sizes.")
+                     "categories DATASET, grounded DATASET, sweep, load throughput|tau|sizes, arrivals.")
 
 
 def refresh(path, check: bool = False) -> list:

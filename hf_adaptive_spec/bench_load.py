@@ -992,9 +992,14 @@ def arrivals_markdown(results: dict) -> str:
               "clock, measured batch times); p90 by nearest rank; throughput over first arrival to last finish.",
               ""]
     lines += _failure_lines(results["failures"])
-    lines += ["| method | mean latency s | p90 latency s | max latency s | mean latency vs plain | tokens/s "
-              "| vs plain | requests/s | batches | mean batch | busy s | tau | nodes/round |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    return "\n".join(lines + arrivals_table(results)) + "\n"
+
+
+def arrivals_table(results: dict) -> list:
+    """The arrivals' Markdown table (latency, throughput, tau and structure per method), as lines."""
+    lines = ["| method | mean latency s | p90 latency s | max latency s | mean latency vs plain | tokens/s "
+             "| vs plain | requests/s | batches | mean batch | busy s | tau | nodes/round |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in results["methods"].items():
         if m.get("error"):
             lines.append(f"| {name} | **FAIL**: {m['error']} |" + " |" * 12)
@@ -1008,7 +1013,7 @@ def arrivals_markdown(results: dict) -> str:
                  bench_report._fmt(m["mean_batch_size"]), bench_report._fmt(m["busy_s"], 1),
                  bench_report._fmt(m.get("tau")), bench_report._fmt(m.get("nodes_per_round"))]
         lines.append(f"| {name}" + (" **FAIL**" if m["failures"] else "") + " | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write_load_plots(results: dict, out_dir: Path) -> dict:

@@ -632,3 +632,14 @@ def test_bench_docs_renders_the_load_sweep_tables():
     assert "| laspec | 17.1 (1.31x) |" in "\n".join(bench_docs.render_table(results, "load", "throughput"))
     with pytest.raises(ValueError, match="unknown load table 'latency'"):
         bench_docs.render_table(results, "load", "latency")
+
+
+def test_bench_docs_renders_the_arrivals_table():
+    """`arrivals` of an `--arrivals` run's `arrivals.json` is the table of its `arrivals.md`."""
+    from hf_adaptive_spec import bench_docs, bench_load
+
+    source = Path(__file__).parent.parent / "docs/benchmarks/arrivals_2026-12-03/arrivals.json"
+    results = json.loads(source.read_text())
+    table = "\n".join(bench_docs.render_table(results, "arrivals"))
+    assert table in bench_load.arrivals_markdown(results)
+    assert table.startswith("| method | mean latency s |") and "| laspec | 10.486 |" in table
