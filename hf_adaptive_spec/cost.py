@@ -515,8 +515,7 @@ class CostModel:
         # before any round: one plain decoding step per token (a device scalar: updating it needs no host sync)
         self.seconds_per_token = torch.tensor(profile.time(1), dtype=torch.float32, device=device)
         self.smoothing = smoothing
-        self.live_scale = torch.device(device).type == "cpu" if live_scale is None else live_scale
-        self.live_scale = self.live_scale and timed
+        self.live_scale = timed and (torch.device(device).type == "cpu" if live_scale is None else live_scale)
         # pausing the drafter (CPU only, where host times are real): running seconds and tokens of drafted
         # rounds and of rounds that verify the root alone, both measured in this call (ratios of running sums,
         # not running ratios: a mean of per-round seconds per token overweights the rounds that accept nothing)
@@ -684,6 +683,10 @@ class DraftPricing:
             return 0.0
         nearest = min(self._measured, key=lambda measured: abs(measured - width))
         return self._measured[nearest]
+
+    def forget_timings(self) -> None:
+        """Measure the drafter's forwards afresh (the batch changed size)."""
+        self._measured = {}
 
     def observe_draft(self, width: int, seconds: float) -> None:
         """One drafter forward over `width` expanded children took `seconds`."""

@@ -332,14 +332,15 @@ class _Decoding:
             self.cost.observe(tree, accepted.choice, round_seconds, tokens, verify_seconds)  # greedy: choice set
             if self.drafter.may_pause and self.cost.live_scale:  # host times are real (CPU): reading costs nothing
                 self.cost.observe_rate(not paused, round_seconds, int(tokens))
-        if self.retired is not None and finished and 4 * finished >= self.batch_size:
+        if self.retired is not None and finished and finished >= RetiredRows.LEAVE_AT * self.batch_size:
             self._retire()
         return False
 
     def _retire(self) -> None:
-        """Finished rows leave the batch (once they are a quarter of it: each exit copies the remaining rows'
-        cache once): the target's cache, the drafter's and the strategy's state keep the other rows; what the
-        output needs of the finished ones is kept aside (`RetiredRows`); the cost rule prices the smaller batch."""
+        """Finished rows leave the batch (once they are `RetiredRows.LEAVE_AT` of it: each exit copies the
+        remaining rows' cache once): the target's cache, the drafter's and the strategy's state keep the other
+        rows; what the output needs of the finished ones is kept aside (`RetiredRows`); the cost rule prices the
+        smaller batch."""
         keep, gone = (~self.finished).nonzero().squeeze(1), self.finished.nonzero().squeeze(1)
         self.retired.add(self.rows[gone], gone, self.buffer, self.target)
         for part in (self.buffer, self.target, self.drafter, self.strategy):
@@ -349,9 +350,7 @@ class _Decoding:
         if self.cost is not None:
             self.cost.use_profile(self._cost_profile())
             if self.pricing is not None:
-                stopped, self.pricing = self.pricing.stopped_levels, DraftPricing(self.cost)
-                self.pricing.stopped_levels = stopped
-        self.stats.retired_rows += int(gone.shape[0])
+                self.pricing.forget_timings()  # drafter forwards of the larger batch
         self.stats.time_compact += self.clock.lap()
 
     def _draft(self, active: torch.Tensor) -> tuple:
@@ -424,9 +423,7 @@ class _Decoding:
         self._emit(new_tokens, counts, scores, raw)
         self.finished |= done & active
         self.stats.rounds += 1
-        retired = self.retired is not None and self.retired.count > 0
-        self.trace.record(active, tree.num_drafted(), accept_length, self.strategy.round_values(),
-                          rows=self.rows if retired else None)
+        self.trace.record(active, tree.num_drafted(), accept_length, self.strategy.round_values(), self.rows)
         if not paused:  # a root-only round says nothing about the strategy's trees
             self.strategy.observe(accept_length, active)
         self.stats.time_accept += self.clock.lap()
@@ -470,7 +467,8 @@ class _Decoding:
         self.trace.finish(stats)
         # a final round that ended the call was not committed: its tree is still the cache's tail
         last_round = self.last_round if self.cache.get_seq_length() > self.target.committed_length else None
-        if self.retired is not None and self.retired.count:  # rows that left the batch come back, in order
+        stats.retired_rows = self.trace.batch_size - self.batch_size
+        if stats.retired_rows:  # rows that left the batch come back, in order
             self.retired.restore_buffer(buffer, self.rows)
             if self.retired.keep_cache:
                 commit_last_round(self.target, last_round)
@@ -527,18 +525,12 @@ class _RoundTrace:
         self.batch_size = batch_size
         self.active, self.drafted, self.accepted = [], [], []
         self.values = {}  # name -> [(B,) per round]: what the strategy reports
+        self.rows = []  # per round: the call's row of each of its rows (fewer once rows left the batch)
         self.pruned = 0  # draft nodes trimmed by the cost model (a device scalar once a round adds to it)
 
-    def record(self, active, drafted, accepted, values: dict, rows=None):
-        """One round's `(B,)` values; `rows`: the call's row of each (when rows left the batch), else None."""
-        if rows is not None:  # back to the call's rows: rows that left are inactive
-            def full(value):
-                out = value.new_zeros((self.batch_size,) + tuple(value.shape[1:]))
-                out[rows] = value
-                return out
-
-            active, drafted, accepted = full(active), full(drafted), full(accepted)
-            values = {name: full(value) for name, value in values.items()}
+    def record(self, active, drafted, accepted, values: dict, rows: torch.Tensor):
+        """One round's `(B,)` values, `rows` the call's row of each."""
+        self.rows.append(rows)
         self.active.append(active)
         self.drafted.append(drafted)
         self.accepted.append(accepted)
@@ -549,13 +541,24 @@ class _RoundTrace:
         stats.pruned_tokens = int(self.pruned)
         if not self.active:
             return
-        active = torch.stack(self.active).flatten()  # (rounds * B,) in round order, rows within a round
-        accepted = torch.stack(self.accepted).flatten()[active]
+        stack = self._stack
+        active = stack(self.active)  # (rounds * B,) in round order, the call's rows within a round
+        accepted = stack(self.accepted)[active]
         stats.row_rounds = int(active.sum())
-        stats.drafted_tokens = int(torch.stack(self.drafted).flatten()[active].sum())
+        stats.drafted_tokens = int(stack(self.drafted)[active].sum())
         stats.accepted_tokens = int(accepted.sum())
         stats.accepted_lengths = accepted.tolist()
-        stats.round_values = {name: torch.stack(v).flatten()[active].tolist() for name, v in self.values.items()}
+        stats.round_values = {name: stack(v)[active].tolist() for name, v in self.values.items()}
+
+    def _stack(self, per_round: list) -> torch.Tensor:
+        """`(rounds * B,)`: each round's values at the call's rows; rows that had left the batch hold zeros
+        (inactive)."""
+        full = []
+        for value, rows in zip(per_round, self.rows):
+            if rows.shape[0] != self.batch_size:
+                value = value.new_zeros((self.batch_size,)).index_copy_(0, rows, value)
+            full.append(value)
+        return torch.stack(full).flatten()
 
 
 def _stack_steps(per_row, buffer, sequences):

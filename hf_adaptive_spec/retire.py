@@ -22,14 +22,13 @@ class RetiredRows:
         keep_cache (`bool`): also keep each retired row's cache (the output returns the target's cache).
     """
 
+    # finished rows leave once they are this share of the batch: each exit copies the remaining rows' cache once
+    LEAVE_AT = 0.25
+
     def __init__(self, batch_size: int, keep_cache: bool):
         self.batch_size = batch_size
         self.keep_cache = keep_cache
         self.groups = []  # (original rows (R,), ids (R, C), lengths (R,), cache or None)
-
-    @property
-    def count(self) -> int:
-        return sum(group[0].shape[0] for group in self.groups)
 
     def add(self, original_rows: torch.Tensor, rows: torch.Tensor, buffer, target) -> None:
         """Keep rows `rows` (indices into the current batch; `original_rows` their rows in the call) of the

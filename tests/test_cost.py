@@ -189,6 +189,19 @@ def test_measured_verification_times_rescale_the_profile():
     assert not CostModel(slow, max_tokens=8, device="meta").live_scale
 
 
+def _record_cost_models(monkeypatch) -> list:
+    """Every `CostModel` the loop makes from now on, in order."""
+    made = []
+    original = CostModel.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(CostModel, "__init__", init)
+    return made
+
+
 @pytest.mark.measured_cost
 def test_calibration_is_kept_across_generate_calls_only_by_the_callers_object(tmp_path, monkeypatch):
     """What the cost rule learned (acceptance per bin, lookup acceptance, live scale) carries over to the next
@@ -198,14 +211,7 @@ def test_calibration_is_kept_across_generate_calls_only_by_the_callers_object(tm
     target = build_model("llama")
     drafter = build_drafter("llama", target, "small")
     inputs = make_inputs("llama", batch_size=1)
-    made = []
-    original = CostModel.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(CostModel, "__init__", init)
+    made = _record_cost_models(monkeypatch)
     config = SageConfig(verify_cost=True)
     expected = target.generate(**inputs, max_new_tokens=12, do_sample=False)
 
@@ -249,14 +255,7 @@ def test_a_fixed_cost_profile_follows_no_timing(tmp_path, monkeypatch):
     inputs = make_inputs("llama", batch_size=2)
     expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
     curve = CostProfile(sizes=[1, 2, 3, 8], seconds=[1.0, 1.2, 1.6, 4.0])
-    made = []
-    original = CostModel.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(CostModel, "__init__", init)
+    made = _record_cost_models(monkeypatch)
     runs = []
     for _ in range(2):
         out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,
