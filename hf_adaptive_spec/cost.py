@@ -498,8 +498,10 @@ class CostModel:
     """
 
     def __init__(self, profile: CostProfile, max_tokens: int, device, smoothing: float = 0.3,
-                 live_scale: bool | None = None, calibration: Calibration | None = None, timed: bool = True):
+                 live_scale: bool | None = None, calibration: Calibration | None = None, timed: bool = True,
+                 rows: int = 1):
         self.profile = profile
+        self.rows = rows  # rows of the batch the profile prices (one forward gives each of them a token)
         # untimed (a fixed curve, `SpecCalibration(cost_profile=...)`): a round is priced at its size's cost on
         # the curve instead of its measured time, and the curve is never rescaled
         self.timed = timed
@@ -512,8 +514,9 @@ class CostModel:
         self.calibration = calibration
         self.calibrator = calibration.acceptance
         self.lookup_calibrator = calibration.lookup
-        # before any round: one plain decoding step per token (a device scalar: updating it needs no host sync)
-        self.seconds_per_token = torch.tensor(profile.time(1), dtype=torch.float32, device=device)
+        # before any round: a plain decoding step per token of each row (a device scalar: updating it needs no
+        # host sync); a step gives every row a token, so at batch b a token costs T(1) / b
+        self.seconds_per_token = torch.tensor(profile.time(1) / rows, dtype=torch.float32, device=device)
         self.smoothing = smoothing
         self.live_scale = timed and (torch.device(device).type == "cpu" if live_scale is None else live_scale)
         # pausing the drafter (CPU only, where host times are real): running seconds and tokens of drafted
@@ -525,9 +528,11 @@ class CostModel:
         self._paused_in_a_row = 0
         self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
-    def use_profile(self, profile: CostProfile) -> None:
-        """Price on `profile` from now on (the batch changed size): this call's forwards first correct the
-        profile they ran against (`refine_profile`); the live scale and the drafted / undrafted rates restart."""
+    def use_profile(self, profile: CostProfile, rows: int) -> None:
+        """Price on `profile` from now on, the profile of a batch of `rows` (the batch changed size): this call's
+        forwards first correct the profile they ran against (`refine_profile`); the live scale and the drafted /
+        undrafted rates restart."""
+        self.rows = rows
         if profile is self.profile:
             return
         self.refine_profile()
@@ -551,21 +556,23 @@ class CostModel:
         seconds, tokens = self._drafted
         return seconds / tokens if tokens else None
 
-    @property
-    def plain_rate(self) -> float:
-        """Seconds per token of this call's root-only rounds; before any, the profile's scaled T(1)."""
+    def plain_rate(self, active_rows: int | None = None) -> float:
+        """Seconds per token of this call's root-only rounds; before any, the profile's scaled T(1) shared by the
+        `active_rows` that a root-only round gives a token each (default: every row of the batch)."""
         seconds, tokens = self._plain
-        return seconds / tokens if tokens else self.scale * self._seconds[1]
+        rows = self.rows if active_rows is None else active_rows
+        return seconds / tokens if tokens else self.scale * self._seconds[1] / max(rows, 1)
 
-    def pause_drafting(self) -> bool:
+    def pause_drafting(self, active_rows: int | None = None) -> bool:
         """True when the next round should verify the root alone, without drafting: this call's drafted rounds
         produce tokens more slowly (by `MARGIN`) than undrafted ones (a plain step through the same loop). On a
         hard prompt the cost rule already trims every node, but the drafter's forward and the tree are still
-        paid each round; this stops paying them, drafting again every `PROBE_EVERY` rounds to re-measure."""
+        paid each round; this stops paying them, drafting again every `PROBE_EVERY` rounds to re-measure.
+        `active_rows`: rows still decoding (what a root-only round yields), by default the batch's."""
         drafted = self.drafted_rate
         if not self.live_scale or drafted is None or self._drafted_rounds < self.MIN_DRAFTED_ROUNDS:
             return False
-        if drafted <= self.MARGIN * self.plain_rate or self._paused_in_a_row >= self.PROBE_EVERY - 1:
+        if drafted <= self.MARGIN * self.plain_rate(active_rows) or self._paused_in_a_row >= self.PROBE_EVERY - 1:
             self._paused_in_a_row = 0
             return False
         self._paused_in_a_row += 1

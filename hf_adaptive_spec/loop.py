@@ -297,7 +297,7 @@ class _Decoding:
             calibration = owned.get(self.assistant_model, f"{self.strategy.name}|{profile.key}", self.device)
         # a fixed curve is priced as given: nothing follows this machine's timings (`SpecCalibration`)
         self.cost = CostModel(profile, max_tokens=256, device=self.device, calibration=calibration,
-                              timed=not fixed)
+                              timed=not fixed, rows=self.batch_size)
         if self.drafter.prices_levels and self.cost.live_scale:  # drafting is priced too (host times are real)
             self.pricing = DraftPricing(self.cost)
         self.stats.time_profile += self.clock.lap()
@@ -348,7 +348,7 @@ class _Decoding:
         self.finished, self.first_real, self.rows = self.finished[keep], self.first_real[keep], self.rows[keep]
         self.batch_size = int(keep.shape[0])
         if self.cost is not None:
-            self.cost.use_profile(self._cost_profile())
+            self.cost.use_profile(self._cost_profile(), self.batch_size)
             if self.pricing is not None:
                 self.pricing.forget_timings()  # drafter forwards of the larger batch
         self.stats.time_compact += self.clock.lap()
@@ -362,7 +362,7 @@ class _Decoding:
         max_depth = torch.where(active, max_depth, 0)
         model_time = drafter.model_time
         paused = (drafter.may_pause and self.strategy.may_pause and self.cost is not None
-                  and self.cost.pause_drafting())
+                  and self.cost.pause_drafting(int(active.sum()) if self.cost.live_scale else None))
         if paused:  # drafting does not pay on this text now: verify the root alone (a plain step)
             tree = drafter.root_tree()
             self.stats.paused_rounds += 1

@@ -300,9 +300,9 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
     for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
         model.observe_rate(True, round_seconds=0.06, tokens=1)  # drafted rounds: 60 ms per token
     assert model.drafted_rate == pytest.approx(0.06)
-    assert model.plain_rate == pytest.approx(0.04)  # none measured: the profile's T(1)
+    assert model.plain_rate() == pytest.approx(0.04)  # none measured: the profile's T(1)
     model.observe_rate(False, round_seconds=0.045, tokens=1)  # a root-only round: 45 ms per token
-    assert model.plain_rate == pytest.approx(0.045)
+    assert model.plain_rate() == pytest.approx(0.045)
     decisions = [model.pause_drafting() for _ in range(2 * CostModel.PROBE_EVERY)]
     probe = [True] * (CostModel.PROBE_EVERY - 1) + [False]
     assert decisions == probe * 2  # drafts once (a probe) every PROBE_EVERY rounds
@@ -315,6 +315,24 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
     assert not gpu.pause_drafting()  # host times are launch times there: never paused
 
 
+@pytest.mark.measured_cost
+def test_a_batch_prices_a_token_at_its_share_of_a_step():
+    """At batch b a forward gives each row a token: before any round a token costs T(1) / b, and so does a
+    root-only round's token before one is measured (b times T(1) would make drafting look cheap)."""
+    profile = CostProfile(sizes=[1, 2], seconds=[0.32, 0.4])
+    model = CostModel(profile, max_tokens=8, device="cpu", rows=8)
+    assert float(model.seconds_per_token) == pytest.approx(0.04)
+    assert model.plain_rate() == pytest.approx(0.04)
+    assert model.plain_rate(active_rows=4) == pytest.approx(0.08)  # half the rows still decode
+    for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
+        model.observe_rate(True, round_seconds=0.48, tokens=8)  # 60 ms per token: slower than a plain step's
+    assert model.pause_drafting(active_rows=8)
+    model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.12, 0.2]), rows=2)  # six rows left the batch
+    assert model.rows == 2 and model.plain_rate() == pytest.approx(0.06)
+    single = CostModel(profile, max_tokens=8, device="cpu")
+    assert float(single.seconds_per_token) == pytest.approx(0.32)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
 def test_paused_rounds_keep_the_output_exact(arch, monkeypatch):
     from hf_adaptive_spec.drafters.laspec import LaSpecDrafterConfig, LaSpecDrafterModel
@@ -325,7 +343,7 @@ def test_paused_rounds_keep_the_output_exact(arch, monkeypatch):
     torch.manual_seed(0)
     drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=3)).eval()
     calls = []
-    monkeypatch.setattr(CostModel, "pause_drafting", lambda self: calls.append(1) or len(calls) % 2 == 0)
+    monkeypatch.setattr(CostModel, "pause_drafting", lambda self, active_rows=None: calls.append(1) or len(calls) % 2 == 0)
     out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
                           spec_strategy="laspec", return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)

@@ -98,9 +98,9 @@ def test_the_cost_rule_prices_the_smaller_batch(strategy, tmp_path, monkeypatch)
     keys = []
     original = CostModel.use_profile
 
-    def use_profile(self, profile):
-        keys.append(profile.key)
-        original(self, profile)
+    def use_profile(self, profile, rows):
+        keys.append((profile.key, rows))
+        original(self, profile, rows)
 
     monkeypatch.setattr(CostModel, "use_profile", use_profile)
     target = build_model("llama")
@@ -113,7 +113,8 @@ def test_the_cost_rule_prices_the_smaller_batch(strategy, tmp_path, monkeypatch)
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain)
     assert out.spec_stats.retired_rows > 0 and keys
-    assert all(f"batch{len(LENGTHS)}|" not in key for key in keys)  # a smaller batch's curve each time
+    # a smaller batch's curve each time, and a token priced at its share of that batch's step
+    assert all(f"batch{rows}|" in key and rows < len(LENGTHS) for key, rows in keys)
 
 
 def test_sampled_rows_leave_the_batch_too():
