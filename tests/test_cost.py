@@ -350,6 +350,45 @@ def test_paused_rounds_keep_the_output_exact(arch, monkeypatch):
     assert out.spec_stats.paused_rounds == len(calls) // 2 > 0
 
 
+@pytest.mark.parametrize("pattern", ["alternate", "streaks"])
+@pytest.mark.parametrize("strategy", ["sage", "chain"])
+def test_an_independent_drafter_catches_up_after_paused_rounds(strategy, pattern, monkeypatch):
+    """Paused rounds run no drafter forward: their bonus tokens wait, and the next drafted round's first forward
+    runs them as one chain. Outputs equal plain greedy whether pauses alternate or run several rounds long."""
+    from hf_adaptive_spec.drafters.independent import IndependentDrafter
+
+    target = build_model("llama")
+    inputs = make_inputs("llama", batch_size=3, prompt_lengths=[5, 9, 3])
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    drafter = build_drafter("llama", target, "small")
+    calls, widths = [], []
+    # alternate: paused every other round; streaks: five paused rounds, then one drafted
+    paused = (lambda n: n % 2 == 0) if pattern == "alternate" else (lambda n: n % 6 != 0)
+    monkeypatch.setattr(CostModel, "pause_drafting",
+                        lambda self, active_rows=None: calls.append(1) or paused(len(calls)))
+    original = IndependentDrafter.draft
+
+    def draft(self, *args, **kwargs):
+        widths.append(self.pending.shape[1])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(IndependentDrafter, "draft", draft)
+    config = {"verify_cost": True} if strategy == "sage" else {"verify_cost": True, "adaptive": False}
+    out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                          spec_strategy=strategy, spec_config=config, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.paused_rounds > 0
+    assert max(widths) >= (2 if pattern == "alternate" else 6)  # the waiting tokens ran in one forward
+
+
+@pytest.mark.parametrize("alpha_source, pauses", [("current_root", True), ("previous_root", False)])
+def test_sage_pauses_only_when_each_round_plans_itself(alpha_source, pauses):
+    from hf_adaptive_spec.strategies.sage import SageConfig, SageStrategy
+
+    strategy = SageStrategy(SageConfig(alpha_source=alpha_source).resolve(torch.device("cpu")), 1, torch.device("cpu"))
+    assert strategy.may_pause is pauses
+
+
 def test_rounds_correct_a_profile_that_disagrees_with_them(tmp_path, monkeypatch):
     """A curve measured while the machine was busy (here 4x too slow, and 9x at 3 tokens) is corrected from the
     forwards rounds time, in memory and on disk; one that agrees with them is left as it is."""

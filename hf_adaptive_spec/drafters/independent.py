@@ -1,10 +1,11 @@
 """An independent HF model as drafter: it expands the tree level by level, one forward per level.
 
 The drafter keeps its own KV cache. Between rounds it holds every committed
-token except the `pending` ones (at most two per row: an accepted leaf it
-never processed, and the target's bonus token). A round's first forward runs
-the pending tokens, whose last is the tree root; each further forward runs
-the nodes of one level that the strategy chose to expand, under a tree mask.
+token except the `pending` ones (an accepted leaf it never processed, and the
+target's bonus token; one more per round in which drafting paused). A round's
+first forward runs the pending tokens, whose last is the tree root; each
+further forward runs the nodes of one level that the strategy chose to expand,
+under a tree mask.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class IndependentDrafter(Drafter):
 
     prices_levels = True  # one forward per level: a level may stop where it no longer pays
     tree_forwards = True
+    # a paused round runs no drafter forward: its bonus token joins the pending ones, which the next drafted
+    # round's first forward runs as one chain
+    may_pause = True
 
     def __init__(self, model):
         self.model = model
@@ -39,6 +43,7 @@ class IndependentDrafter(Drafter):
         self.pending: torch.Tensor | None = None  # (B, P) right-aligned
         self.pending_valid: torch.Tensor | None = None  # (B, P)
         self._num_pending = 0
+        self._drafted = False  # whether this round ran `draft` (False: drafting paused)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, raw_inputs: dict) -> None:
@@ -170,9 +175,16 @@ class IndependentDrafter(Drafter):
                                       chosen.grow_valid)
             frontier_slots = tail_length + torch.arange(chosen.num_grow, device=device)[None, :].expand(batch, -1)
         self._num_pending = num_pending
+        self._drafted = True
         return builder.build()
 
     def finish_round(self, verified: VerifiedRound) -> None:
+        if not self._drafted:  # drafting paused: the drafter ran nothing, the bonus token waits with the others
+            bonus = verified.bonus[:, None]
+            self.set_pending(torch.cat([self.pending, bonus], dim=1),
+                             torch.cat([self.pending_valid, torch.ones_like(bonus, dtype=torch.bool)], dim=1))
+            return
+        self._drafted = False
         self.commit(verified.tree, verified.path_index, verified.accept_length, verified.bonus)
 
     def commit(self, tree: DraftTree, path_index: torch.Tensor, accept_length: torch.Tensor, bonus: torch.Tensor):

@@ -114,7 +114,12 @@ class SageConfig(StrategyConfig):
 class SageStrategy(Strategy):
     name = "sage"
     config_class = SageConfig
-    may_pause = False  # each round's root confidence plans a tree (the next round's, by default)
+
+    @property
+    def may_pause(self) -> bool:
+        """With the current root's confidence (the CPU default) each drafted round plans itself, so rounds in
+        which drafting paused change nothing; with the previous root's, each round plans the next."""
+        return self.config.alpha_source == "current_root"
 
     row_state = ("alpha", "next_alpha", "d_max", "history", "history_count", "nodes_used")
 
