@@ -180,6 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="concurrency sweep: at each level B the first B prompts decode as one left-padded batch, "
                       "plain vs fixed chains and trees vs the adaptive rules of --strategies (default laspec and "
                       "sage with a LaSpec drafter, else sage), e.g. 1 2 4 8 16 32")
+    load.add_argument("--load-repeats", type=int, default=1, metavar="R",
+                      help="with --load-sweep: timed passes per level, each method keeping its fastest (default 1)")
     load.add_argument("--arrivals", choices=("poisson", "bursty"), default=None,
                       help="replay timed request arrivals through a batching scheduler (plain vs a chain vs the "
                       "adaptive rules): mean and p90 latency, throughput")

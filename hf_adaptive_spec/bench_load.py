@@ -29,7 +29,9 @@ Methods (`load_methods`), chosen from the drafter kind:
 Load sweep (`run_load_sweep`): at concurrency b (rows decoding together) the first b prompts (cycled when
 there are fewer) form one batch; each method runs one timed `generate` on it (`time.perf_counter`), in an
 order rotated per level so that machine drift spreads over all methods, after `--warmup` untimed short runs
-(`WARMUP_TOKENS` new tokens) of each method on the same batch. Per level and method:
+(`WARMUP_TOKENS` new tokens) of each method on the same batch. With `--load-repeats R` every method runs R
+timed passes per level (each pass in an order rotated once more) and keeps its fastest: a shared machine only
+ever slows a run down, so the fastest of R is the least disturbed. Per level and method:
 
 - new tokens: summed over rows, each row counted up to and including its EOS;
 - throughput: new tokens / seconds; speedup: plain's seconds / the method's seconds, same batch;
@@ -319,7 +321,8 @@ def _pad_id(tokenizer) -> Optional[int]:
 # Load sweep
 # ----------------------------------------------------------------------------
 def run_load_sweep(target, tokenizer, drafter, prompts: Sequence, levels: Sequence[int], methods: Sequence[LoadMethod],
-                   max_new_tokens: int, pad_token_id: Optional[int] = None, warmup: int = 1, progress=None) -> dict:
+                   max_new_tokens: int, pad_token_id: Optional[int] = None, warmup: int = 1, progress=None,
+                   repeats: int = 1) -> dict:
     """Run every method at every concurrency level and check each row against plain greedy of the same batch.
 
     Args:
@@ -333,15 +336,19 @@ def run_load_sweep(target, tokenizer, drafter, prompts: Sequence, levels: Sequen
         pad_token_id: left padding and `generate`'s padding (default: the tokenizer's pad, else EOS token).
         warmup: untimed runs of each method (`WARMUP_TOKENS` new tokens) on each level's batch before timing.
         progress: a tqdm-like bar (`update`, `set_postfix_str`), or None.
+        repeats: timed passes per level, each in the order rotated once more; a method's record is its fastest
+            pass (every pass's rows are checked against plain's).
 
     Returns:
-        `dict` with ``records`` (one per level and method: seconds, new_tokens, row_tokens, tokens_per_s,
-        speedup_vs_plain, tau, nodes_per_round, candidates_per_round, matches_plain, mismatched_rows, error,
-        order), ``levels`` (per level: its prompts and their lengths), ``best_fixed`` (`best_fixed`),
+        `dict` with ``records`` (one per level and method: seconds (the fastest pass), repeat_seconds (every
+        pass), new_tokens, row_tokens, tokens_per_s, speedup_vs_plain, tau, nodes_per_round, candidates_per_round,
+        matches_plain, mismatched_rows, error, order), ``levels`` (per level: its prompts and their lengths), ``best_fixed`` (`best_fixed`),
         ``warmup_errors`` and ``failures``.
     """
     if not any(m.family == "plain" for m in methods):
         raise ValueError("run_load_sweep needs the plain method: it is every row's reference.")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"run_load_sweep needs repeats >= 1 timed passes per level, got {repeats!r}.")
     pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
     if pad_token_id is None:
         raise ValueError("the tokenizer has neither a pad nor an EOS token: pass pad_token_id.")
@@ -365,18 +372,26 @@ def run_load_sweep(target, tokenizer, drafter, prompts: Sequence, levels: Sequen
                 except Exception as exc:  # recorded again in the timed run
                     warmup_errors[f"{method.name}@{level}"] = bench_report._describe(exc)
                 _step(progress)
-        runs, errors = {}, {}
-        for method in order:
-            _show(progress, f"b={level} {method.name}")
-            try:
-                runs[method.name] = decode_batch(method, target, drafter, inputs, max_new_tokens, pad_token_id, eos)
-            except Exception as exc:
-                errors[method.name] = bench_report._describe(exc)
-            _step(progress)
+        passes, errors = collections.defaultdict(list), {}
+        for repeat in range(repeats):
+            turned = order[repeat % len(order):] + order[: repeat % len(order)]
+            for method in turned:
+                if method.name in errors:
+                    continue
+                _show(progress, f"b={level} {method.name}" + (f" ({repeat + 1}/{repeats})" if repeats > 1 else ""))
+                try:
+                    passes[method.name].append(decode_batch(method, target, drafter, inputs, max_new_tokens,
+                                                            pad_token_id, eos))
+                except Exception as exc:
+                    errors[method.name] = bench_report._describe(exc)
+                _step(progress)
         position = {method.name: i for i, method in enumerate(order)}
-        reference = runs.get(PLAIN)
+        reference = min(passes[PLAIN], key=lambda run: run.seconds) if passes.get(PLAIN) else None
         for method in methods:
-            records.append(_sweep_record(level, method, runs.get(method.name), errors.get(method.name), reference,
+            runs = passes.get(method.name, [])
+            if method.name in errors:
+                runs = []
+            records.append(_sweep_record(level, method, runs, errors.get(method.name), reference,
                                          position[method.name]))
     return {"records": records, "levels": level_info, "best_fixed": best_fixed(records),
             "warmup_errors": warmup_errors, "failures": _failures(records)}
@@ -392,21 +407,24 @@ def _step(progress) -> None:
         progress.update(1)
 
 
-def _sweep_record(level: int, method: LoadMethod, run: Optional[BatchRun], error: Optional[str],
+def _sweep_record(level: int, method: LoadMethod, runs: Sequence[BatchRun], error: Optional[str],
                   reference: Optional[BatchRun], order: int) -> dict:
-    """One (level, method) record of the sweep."""
+    """One (level, method) record of the sweep from the method's timed passes `runs` (its fastest is scored;
+    every pass's rows are checked against `reference`, plain's fastest pass)."""
     record = {"level": level, "method": method.name, "family": method.family, "order": order, "error": error,
               "matches_plain": None, "mismatched_rows": None}
-    if run is None:
+    if not runs:
         return record
+    run = min(runs, key=lambda each: each.seconds)
     new_tokens = sum(len(row) for row in run.rows)
-    record.update(seconds=run.seconds, new_tokens=new_tokens, row_tokens=[len(row) for row in run.rows],
+    record.update(seconds=run.seconds, repeat_seconds=[each.seconds for each in runs], new_tokens=new_tokens,
+                  row_tokens=[len(row) for row in run.rows],
                   tokens_per_s=new_tokens / run.seconds if run.seconds > 0 else None,
                   speedup_vs_plain=(reference.seconds / run.seconds
                                     if reference is not None and run.seconds > 0 else None))
     record.update(structure_stats(run.stats))
     if reference is not None:
-        mismatched = _mismatched_rows(reference.rows, run.rows)
+        mismatched = sorted({row for each in runs for row in _mismatched_rows(reference.rows, each.rows)})
         record["matches_plain"] = not mismatched
         record["mismatched_rows"] = mismatched
     return record
@@ -683,6 +701,8 @@ def _levels(args) -> list:
     bad = [b for b in levels if b < 1]
     if bad:
         raise ValueError(f"--load-sweep levels are batch sizes >= 1, got {bad[0]}.")
+    if getattr(args, "load_repeats", 1) < 1:
+        raise ValueError(f"--load-repeats takes the number of timed passes per level, >= 1; got {args.load_repeats}.")
     return levels
 
 
@@ -832,13 +852,14 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
     output = {"load_sweep": None, "arrivals": None}
 
     if levels:
-        bar = tqdm(total=len(levels) * len(methods) * (1 + args.warmup), desc="load sweep", unit="run",
-                   disable=args.no_progress, dynamic_ncols=True)
+        bar = tqdm(total=len(levels) * len(methods) * (args.load_repeats + args.warmup), desc="load sweep",
+                   unit="run", disable=args.no_progress, dynamic_ncols=True)
         sweep = run_load_sweep(target, tokenizer, drafter, prompts, levels, methods, args.max_new_tokens,
-                               pad_token_id, args.warmup, bar)
+                               pad_token_id, args.warmup, bar, repeats=args.load_repeats)
         bar.close()
         results = {"mode": "load_sweep", **header, "environment": bench_report._environment(device, started),
                    "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
+                                "repeats": args.load_repeats,
                                 "warmup_tokens": WARMUP_TOKENS, "levels": levels,
                                 "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit},
                    "methods": {m.name: m.to_dict() for m in methods}, "skipped_methods": skipped, **sweep}
@@ -862,6 +883,7 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
         bar.close()
         results = {"mode": "arrivals", **header, "environment": bench_report._environment(device, started),
                    "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
+                                "repeats": args.load_repeats,
                                 "arrivals": args.arrivals, "rate": args.rate, "requests": args.requests,
                                 "max_batch": args.max_batch, "seed": args.seed, "burst_size": BURST_SIZE,
                                 "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit},
@@ -892,7 +914,9 @@ def _setup_lines(results: dict) -> list:
         + (" (int8 dynamic)" if models["drafter_int8"] else "")
         + (f" (block_size {models['drafter_block_size']})" if models.get("drafter_block_size") else ""),
         f"- greedy, max_new_tokens={results['settings']['max_new_tokens']}, rows left-padded; warm-up runs per "
-        f"method: {results['settings']['warmup']} ({WARMUP_TOKENS} new tokens)",
+        f"method: {results['settings']['warmup']} ({WARMUP_TOKENS} new tokens)"
+        + (f"; timed passes per level: {results['settings']['repeats']}, each method's fastest kept"
+           if results["settings"].get("repeats", 1) > 1 else ""),
         f"- {env['device']} ({env.get('gpu') or env['cpu_model']}), {env['threads']} threads; torch {env['torch']}, "
         f"transformers {env['transformers']}, hf_adaptive_spec {env['hf_adaptive_spec']} ({env['git_commit']}); "
         f"{env['started']} -> {env['finished']}",

@@ -149,6 +149,38 @@ def test_load_sweep_with_a_laspec_drafter():
     assert by_name["laspec"]["candidates_per_round"] >= by_name["laspec"]["nodes_per_round"]
 
 
+def test_repeated_passes_keep_each_methods_fastest(monkeypatch):
+    """With repeats, every method runs that many timed passes per level (each pass's order rotated once more),
+    scores its fastest and checks every pass's rows against plain's."""
+    models = _models()
+    methods, _ = bench_load.load_methods(False, ["sage"])
+    methods = [m for m in methods if m.name in ("plain", "chain2", "sage")]
+    seconds = iter([5.0, 4.0, 3.0, 1.0, 2.0, 9.0, 6.0, 7.0, 8.0, 3.5, 2.5, 1.5])
+    original = bench_load.decode_batch
+    calls = []
+
+    def decode_batch(method, *args, **kwargs):
+        run = original(method, *args, **kwargs)
+        calls.append(method.name)
+        return bench_load.BatchRun(run.rows, next(seconds), run.stats)
+
+    monkeypatch.setattr(bench_load, "decode_batch", decode_batch)
+    sweep = bench_load.run_load_sweep(models["target"], FakeTokenizer(), models["drafter"], PROMPTS, [1, 2], methods,
+                                      MAX_NEW, warmup=0, repeats=2)
+    # level 1: order plain, chain2, sage then chain2, sage, plain; level 2 starts one further
+    assert calls == ["plain", "chain2", "sage", "chain2", "sage", "plain",
+                     "chain2", "sage", "plain", "sage", "plain", "chain2"]
+    records = {(r["level"], r["method"]): r for r in sweep["records"]}
+    assert records[1, "plain"]["repeat_seconds"] == [5.0, 9.0] and records[1, "plain"]["seconds"] == 5.0
+    assert records[1, "chain2"]["seconds"] == 1.0 and records[1, "sage"]["seconds"] == 2.0
+    assert records[1, "chain2"]["speedup_vs_plain"] == pytest.approx(5.0)
+    assert records[2, "sage"]["repeat_seconds"] == [7.0, 3.5] and records[2, "plain"]["seconds"] == 2.5
+    assert all(r["matches_plain"] for r in sweep["records"])
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        bench_load.run_load_sweep(models["target"], FakeTokenizer(), models["drafter"], PROMPTS, [1], methods,
+                                  MAX_NEW, warmup=0, repeats=0)
+
+
 def test_best_fixed_is_picked_after_the_fact_among_exact_fixed_runs():
     def record(level, method, rate, family="fixed", matches=True):
         return {"level": level, "method": method, "family": family, "error": None, "matches_plain": matches,
@@ -275,6 +307,8 @@ def test_load_option_errors(tmp_path):
         _run_load(tmp_path, "--load-sweep", "1", "--spec-config", "sage={\"nope\": 2}")
     with pytest.raises(ValueError, match=">= 1"):
         _run_load(tmp_path, "--load-sweep", "0")
+    with pytest.raises(ValueError, match="--load-repeats"):
+        _run_load(tmp_path, "--load-sweep", "1", "--load-repeats", "0")
     with pytest.raises(ValueError, match="--rate"):
         _run_load(tmp_path, "--arrivals", "poisson", "--rate", "0")
     with pytest.raises(ValueError, match="--cold"):
