@@ -387,10 +387,8 @@ def run_load_sweep(target, tokenizer, drafter, prompts: Sequence, levels: Sequen
                 _step(progress)
         position = {method.name: i for i, method in enumerate(order)}
         reference = min(passes[PLAIN], key=lambda run: run.seconds) if passes.get(PLAIN) else None
-        for method in methods:
-            runs = passes.get(method.name, [])
-            if method.name in errors:
-                runs = []
+        for method in methods:  # a method that failed in any pass is recorded by its error alone
+            runs = [] if method.name in errors else passes[method.name]
             records.append(_sweep_record(level, method, runs, errors.get(method.name), reference,
                                          position[method.name]))
     return {"records": records, "levels": level_info, "best_fixed": best_fixed(records),
@@ -883,7 +881,6 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
         bar.close()
         results = {"mode": "arrivals", **header, "environment": bench_report._environment(device, started),
                    "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
-                                "repeats": args.load_repeats,
                                 "arrivals": args.arrivals, "rate": args.rate, "requests": args.requests,
                                 "max_batch": args.max_batch, "seed": args.seed, "burst_size": BURST_SIZE,
                                 "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit},
