@@ -191,13 +191,31 @@ class LeanForward:
                 and self.inner.config._attn_implementation in _ATTENTION)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache,
-                 logits_to_keep: int = 0, output_hidden_states: bool = False) -> CausalLMOutputWithPast:
+                 logits_to_keep: int = 0, output_hidden_states: bool = False,
+                 token_valid: torch.Tensor | None = None) -> CausalLMOutputWithPast:
+        """`token_valid` (`(B, M)` bool, optional; with `logits_to_keep` 0): the real tokens of a padded block.
+        Given, the per-token work (embedding, norms, projections, MLP, LM head) runs on the real tokens only,
+        packed into one `(m, hidden)` matrix, and only attention and the cache see the padded `(B, M)` layout
+        (padding positions get zero queries, keys and values, and zero logits and states). A batch whose rows
+        verify trees of different sizes then costs what its real tokens cost, not B times its widest row."""
         inner = self.inner
         implementation = inner.config._attn_implementation
         if implementation not in _ATTENTION:
             raise RuntimeError(f"the lean forward does not run attention {implementation!r}")
+        if token_valid is not None and logits_to_keep:
+            raise ValueError("the lean forward packs real tokens only with logits_to_keep=0")
         attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.eager)
-        hidden = inner.embed_tokens(input_ids)
+        shape = input_ids.shape
+        if token_valid is None:
+            hidden = inner.embed_tokens(input_ids)
+            spread = index = None
+        else:
+            index = token_valid.reshape(-1).nonzero().squeeze(1)  # (m,) real tokens in the flattened block
+            hidden = inner.embed_tokens(input_ids.reshape(-1).index_select(0, index))
+
+            def spread(packed: torch.Tensor) -> torch.Tensor:  # (m, F) -> (B, M, F), zeros at padding
+                full = packed.new_zeros(shape[0] * shape[1], packed.shape[-1])
+                return full.index_copy_(0, index, packed).view(*shape, -1)
         text_positions = position_ids
         if self.rope_rows:  # as the Qwen-VL text models do: rows for the rotary, text positions for attention
             if position_ids.ndim == 2:
@@ -213,24 +231,28 @@ class LeanForward:
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         states = [hidden] if output_hidden_states else None
-        shape = input_ids.shape
         for (norm_in, attention, q_proj, k_proj, v_proj, o_proj, norm_post, gate_proj, up_proj, down_proj,
              act_fn, q_norm, k_norm) in self.layers:
             residual = hidden
             hidden = _rms_norm(norm_in, hidden)
             head_shape = (*shape, -1, attention.head_dim)
-            query = q_proj.forward(hidden).view(head_shape)
-            key = k_proj.forward(hidden).view(head_shape)
+            query, key, value = q_proj.forward(hidden), k_proj.forward(hidden), v_proj.forward(hidden)
+            if spread is not None:
+                query, key, value = spread(query), spread(key), spread(value)
+            query, key, value = query.view(head_shape), key.view(head_shape), value.view(head_shape)
             if q_norm is not None:  # per head, before the rotary (Qwen3)
                 query, key = _rms_norm(q_norm, query), _rms_norm(k_norm, key)
-            query, key = query.transpose(1, 2), key.transpose(1, 2)
-            value = v_proj.forward(hidden).view(head_shape).transpose(1, 2)
+            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             query = (query * cos) + (query.roll(half, -1) * signed_sin)
             key = (key * cos) + (key.roll(half, -1) * signed_sin)
             key, value = cache.update(key, value, attention.layer_idx)
             output, _ = attention_function(attention, query, key, value, attention_mask, dropout=0.0,
                                            scaling=attention.scaling, position_ids=text_positions, use_cache=True)
-            output = o_proj.forward(output.reshape(*shape, -1).contiguous())
+            if spread is None:
+                output = output.reshape(*shape, -1).contiguous()
+            else:
+                output = output.reshape(shape[0] * shape[1], -1).index_select(0, index)
+            output = o_proj.forward(output)
             hidden = residual + output
             residual = hidden
             hidden = _rms_norm(norm_post, hidden)
@@ -241,5 +263,9 @@ class LeanForward:
         hidden = _rms_norm(inner.norm, hidden)
         if states is not None:
             states[-1] = hidden  # transformers records the last layer's output after the final norm
-        logits = self.lm_head.forward(hidden[:, slice(-logits_to_keep, None), :])
+        if spread is not None:
+            logits = spread(self.lm_head.forward(hidden))
+            states = [spread(state) for state in states] if states is not None else None
+        else:
+            logits = self.lm_head.forward(hidden[:, slice(-logits_to_keep, None), :])
         return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(states) if states is not None else None)

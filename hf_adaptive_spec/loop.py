@@ -256,6 +256,7 @@ class _Decoding:
         slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         position_ids = used_positions.get("position_ids", self.model_kwargs["position_ids"])
         self.target = ModelRunner(model, self.cache, slot_valid, position_ids)
+        self.scope.callback(self.target.close)
         self.first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
         if self.device.type == "cpu":
             self._enter_cpu_kernels()

@@ -206,3 +206,67 @@ def test_generate_on_a_vlm_with_an_image_runs_lean_rounds_and_equals_plain(arch,
     assert torch.equal(out.sequences, expected)
     assert out.spec_stats.time_visual > 0
     assert calls and all(model is target for model in calls)  # the prefill (pixels) is transformers' own
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_vl"])
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_packed_block_computes_only_its_real_tokens_to_the_same_values(arch, kernels):
+    """`token_valid`: trees of different sizes per row run their real tokens packed; logits, every hidden state
+    and every cache slot of a real token equal the padded forward's (to float rounding: the projections see
+    another number of rows), padding positions are zeros, and fewer rows go through the projections."""
+    model = build_model(arch, num_layers=3, hidden_size=64)
+    runner = lean_forward(model)
+    generator = torch.Generator().manual_seed(7)
+    batch, size, length = 3, 6, 10
+    prompt = torch.randint(0, VOCAB_SIZE, (batch, length), generator=generator)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=prompt, cache=cache, use_cache=True)
+    twin = copy.deepcopy(cache)
+    parents = torch.tensor([[-1, 0, 1, 1, 3, 2]] * batch)
+    valid = torch.tensor([[True] * 6, [True, True, False, False, False, False], [True, True, True, True, False, False]])
+    mask, depths = ops.tree_attention_mask(parents, valid, torch.ones(batch, length, dtype=torch.bool), model.dtype)
+    tokens = torch.randint(0, VOCAB_SIZE, (batch, size), generator=generator)
+    positions = length + depths
+    rows_seen = []
+    head = model.lm_head.forward
+    model.lm_head.forward = lambda hidden: rows_seen.append(hidden.shape[:-1].numel()) or head(hidden)
+    with torch.no_grad(), cpu_linear.use_cpu_kernels(kernels), cpu_linear.fast_linears(model), tree_attention(model):
+        padded = runner(tokens, mask, positions, cache, output_hidden_states=True)
+        packed = runner(tokens, mask, positions, twin, output_hidden_states=True, token_valid=valid)
+    assert rows_seen == [batch * size, int(valid.sum())]
+    real = valid[..., None]
+    close = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.logits * real, padded.logits * real, **close)
+    assert not packed.logits[~valid].any()
+    for mine, theirs in zip(packed.hidden_states, padded.hidden_states):
+        torch.testing.assert_close(mine * real, theirs * real, **close)
+    for mine, theirs in zip(twin.layers, cache.layers):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            torch.testing.assert_close(a[:, :, :length], b[:, :, :length], rtol=0, atol=0)
+            tail = valid[:, None, :, None]
+            torch.testing.assert_close(a[:, :, length:] * tail, b[:, :, length:] * tail, **close)
+    with pytest.raises(ValueError, match="logits_to_keep=0"):
+        runner(tokens, mask, positions, twin, logits_to_keep=1, token_valid=valid)
+
+
+def test_the_loop_packs_a_padded_block_through_the_lean_forward(monkeypatch):
+    """The runner hands the lean forward the real tokens of a block with padding, and nothing for a full one."""
+    from hf_adaptive_spec.runner import ModelRunner
+
+    model = build_model("llama", num_layers=2, hidden_size=64)
+    prompt = torch.randint(0, VOCAB_SIZE, (2, 5), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=prompt, cache=cache, use_cache=True)
+    runner = ModelRunner(model, cache, torch.ones(2, 5, dtype=torch.bool), torch.arange(5).expand(2, 5))
+    seen = []
+    original = LeanForward.__call__
+    monkeypatch.setattr(LeanForward, "__call__", lambda self, *args, **kwargs: seen.append(kwargs["token_valid"])
+                        or original(self, *args, **kwargs))
+    parents = torch.tensor([[-1, 0, 1]] * 2)
+    for valid in (torch.ones(2, 3, dtype=torch.bool), torch.tensor([[True, True, True], [True, False, False]])):
+        with torch.no_grad():
+            runner.forward(torch.zeros(2, 3, dtype=torch.long), parents, valid)
+        runner.commit(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool))
+    assert seen[0] is None and torch.equal(seen[1], torch.tensor([[True, True, True], [True, False, False]]))

@@ -122,3 +122,46 @@ def test_compacted_cache_equals_recomputation(arch):
         for b in range(2):
             expected = _scratch_logits(model, rows[b], history[b] + [int(next_tokens[b, 0])])
             torch.testing.assert_close(logits[b, 0], expected, atol=2e-5, rtol=1e-4)
+
+
+def test_appending_in_place_keeps_the_cache_that_concatenation_builds():
+    """Rounds append into spare slots of a buffer (`InPlaceAppend`) instead of concatenating the whole cache:
+    through forwards of trees, commits that keep a chain prefix or gather tree slots, and rows leaving the
+    batch, logits and every cache slot equal a runner that concatenates, and the buffer is not copied while it
+    has room; `close` gives the layers their stock update back."""
+    from hf_adaptive_spec.runner import InPlaceAppend
+
+    model = build_model("llama", num_layers=2, hidden_size=64)
+    inputs = make_inputs("llama", batch_size=3, seed=5)
+    appending, stock = _prefilled_runner(model, inputs), _prefilled_runner(model, inputs)
+    stock.close()
+    assert appending.appending and all(isinstance(layer.update, InPlaceAppend) for layer in appending.cache.layers)
+    assert not any("update" in layer.__dict__ for layer in stock.cache.layers)
+    generator = torch.Generator().manual_seed(0)
+    parents = torch.tensor([PARENTS] * 3)
+    pointers = []
+    for step in range(6):
+        rows = appending.slot_valid.shape[0]
+        tokens = torch.randint(0, 50, (rows, len(PARENTS)), generator=generator)
+        valid = torch.ones(rows, len(PARENTS), dtype=torch.bool)
+        valid[0, 4:] = False
+        with torch.no_grad():
+            got = appending.forward(tokens, parents[:rows], valid).logits
+            expected = stock.forward(tokens, parents[:rows], valid).logits
+        assert torch.equal(got, expected)
+        if step % 2:  # gather a tree path per row
+            keep = torch.tensor([[0, 1, 3, 6], [0, 2, 5, 5], [0, 1, 4, 4]])[:rows]
+            keep_valid = torch.tensor([[True] * 4, [True, True, True, False], [True, True, True, False]])[:rows]
+        else:  # a chain prefix: the slots stay where they are
+            keep, keep_valid = torch.arange(2).expand(rows, 2), torch.ones(rows, 2, dtype=torch.bool)
+        for runner in (appending, stock):
+            runner.commit(keep, keep_valid)
+        for mine, theirs in zip(appending.cache.layers, stock.cache.layers):
+            assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+        pointers.append(appending.cache.layers[0].keys.data_ptr())
+        if step == 3:  # a row leaves the batch: its tensors are new, the next update starts a new buffer
+            for runner in (appending, stock):
+                runner.keep_rows(torch.tensor([0, 2]))
+    assert pointers[1] == pointers[2] == pointers[3]  # appended in place (spare capacity >= 64 slots)
+    appending.close()
+    assert not any("update" in layer.__dict__ for layer in appending.cache.layers)
