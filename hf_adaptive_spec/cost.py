@@ -43,11 +43,12 @@ from .ops import cpu_linear, scoped
 from .strategies.base import descending_rank
 
 __all__ = ["AcceptanceCalibrator", "Calibration", "CostModel", "CostProfile", "DraftPricing", "LookupCalibrator",
-           "choose_prefix",
+           "choose_nodes", "choose_prefix",
            "measure_cost_curve", "measure_verifier_cost", "prior_profile", "refine_profile", "SpecCalibration",
            "verifier_cost_profile"]
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+WIDTH_SIZES_MAX = 16  # widths measured for packed blocks (beyond: the last slope)
 _MEMORY: dict[str, "CostProfile"] = {}
 
 
@@ -61,18 +62,31 @@ class CostProfile:
         key: what the profile is valid for (model, dtype, device, batch size, threads).
         source: "measured" (timed sweeps, `measure_verifier_cost`), "prior" (`prior_profile`: a typical shape,
             nothing measured yet) or "rounds" (corrected from the verification forwards of real rounds).
+        width_sizes, width_seconds: for a batch whose forward packs its real tokens (`lean.LeanForward`), the
+            time of a block of width W in which each row has only its first token (what the width alone costs:
+            attention and the cache over the padded block); None when not measured.
     """
 
     sizes: list
     seconds: list
     key: str = ""
     source: str = "measured"
+    width_sizes: list | None = None
+    width_seconds: list | None = None
 
     def __post_init__(self):
         if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
             raise ValueError(f"CostProfile.sizes must be ascending distinct ints >= 1, got {self.sizes}.")
         if len(self.sizes) != len(self.seconds) or any(s <= 0 for s in self.seconds):
             raise ValueError("CostProfile needs one positive time per size.")
+        if (self.width_sizes is None) != (self.width_seconds is None):
+            raise ValueError("CostProfile.width_sizes and width_seconds go together.")
+        if self.width_sizes is not None:
+            widths = list(self.width_sizes)
+            if not widths or widths != sorted(set(widths)) or widths[0] != 1 or len(widths) != len(self.width_seconds) \
+                    or any(s <= 0 for s in self.width_seconds):
+                raise ValueError(f"CostProfile.width_sizes must be ascending distinct ints from 1 with one positive "
+                                 f"time each, got {self.width_sizes} / {self.width_seconds}.")
         if self.source not in ("measured", "prior", "rounds"):
             raise ValueError(f"CostProfile.source must be 'measured', 'prior' or 'rounds', got {self.source!r}.")
 
@@ -89,6 +103,20 @@ class CostProfile:
             return seconds[0] * n / sizes[0]
         slope = max((seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]), 0.0)
         return seconds[-1] + slope * (n - sizes[-1])
+
+    def at(self, tokens: float) -> float:
+        """T at a fractional number of tokens per row (linear between integers): the cost of a packed block
+        whose rows hold `tokens` real tokens on average."""
+        low = int(tokens)
+        if low == tokens:
+            return self.time(low)
+        return self.time(low) + (tokens - low) * (self.time(low + 1) - self.time(low))
+
+    def width_time(self, width: int) -> float | None:
+        """Seconds of a packed block of `width` columns holding one real token per row (None: not measured)."""
+        if self.width_sizes is None:
+            return None
+        return CostProfile(self.width_sizes, self.width_seconds).time(width)
 
     def table(self, max_tokens: int, device=None) -> torch.Tensor:
         """`(max_tokens + 1,)` float tensor: entry n is T(n) (T(0) = 0)."""
@@ -107,6 +135,7 @@ def _profile_key(model, batch_size: int, lean: bool = False) -> str:
     attn = getattr(model.config, "_attn_implementation", "")
     kernels = "|cpu-small-linear" if cpu_linear.active() else ""  # another cost curve
     kernels += "|lean" if lean else ""  # so is the lean forward's (less Python per forward)
+    kernels += "|append"  # rounds append to the cache in place (`runner.InPlaceAppend`): not the cat's curve
     return (f"{type(model).__name__}|{name}|{shape}|{model.dtype}|{device_name}|{attn}|batch{batch_size}|"
             f"threads{torch.get_num_threads()}{kernels}")
 
@@ -156,7 +185,26 @@ def measure_verifier_cost(runner, sizes=DEFAULT_SIZES, repeats: int = 3) -> Cost
             runner.commit(keep_none, keep_none.bool())
     seconds = [statistics.median(times[n]) for n in sizes]
     # kept as measured, not made monotone: on a CPU 16 tokens can really cost less than 12 (GEMM tiling)
-    return CostProfile(sizes=list(sizes), seconds=seconds)
+    widths = width_seconds = None
+    if batch > 1 and runner.lean:  # rows of different sizes run packed: what the width alone costs
+        widths = [n for n in sizes if n <= WIDTH_SIZES_MAX]
+        width_times = {n: [] for n in widths}
+        for sweep in range(repeats + 1):
+            for n in widths:
+                tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
+                parents = (torch.arange(n, device=device) - 1).expand(batch, n)
+                valid = torch.zeros(batch, n, dtype=torch.bool, device=device)
+                valid[:, 0] = True
+                _sync(device)
+                start = time.perf_counter()
+                runner.forward(tokens, parents, valid)
+                _sync(device)
+                if sweep:
+                    width_times[n].append(time.perf_counter() - start)
+                runner.commit(keep_none, keep_none.bool())
+        width_seconds = [statistics.median(width_times[n]) for n in widths]
+        width_seconds[0] = seconds[0]  # the same block as T(1)
+    return CostProfile(sizes=list(sizes), seconds=seconds, width_sizes=widths, width_seconds=width_seconds)
 
 
 def _profile_path(key: str) -> Path:
@@ -274,7 +322,11 @@ def refine_profile(profile: CostProfile, observed: dict, use_disk: bool = True) 
     points = {n: seconds * ratio for n, seconds in zip(profile.sizes, profile.seconds)}
     points.update(medians)
     sizes = sorted(points)
-    refined = CostProfile(sizes=sizes, seconds=[points[n] for n in sizes], key=profile.key, source="rounds")
+    width_seconds = None if profile.width_seconds is None else [seconds * ratio for seconds in profile.width_seconds]
+    if width_seconds is not None:
+        width_seconds[0] = points[1] if 1 in points else width_seconds[0]
+    refined = CostProfile(sizes=sizes, seconds=[points[n] for n in sizes], key=profile.key, source="rounds",
+                          width_sizes=profile.width_sizes, width_seconds=width_seconds)
     if profile.key:
         _store(refined, use_disk)
     return refined
@@ -390,6 +442,51 @@ def choose_prefix(pi: torch.Tensor, cost_table: torch.Tensor, seconds_per_token)
     return torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=pi.device), kept], dim=1), n
 
 
+def choose_nodes(pi: torch.Tensor, cost_table: torch.Tensor, width_table: torch.Tensor,
+                 seconds_per_token) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which nodes to verify when the forward runs each row's real tokens only (a packed block): per row.
+
+    A packed block over B rows costs what its real tokens cost plus what its width costs (attention and the
+    cache run over the padded block): C(m, W) = T(1 + m / B) + T_w(W) - T_w(1), with m the draft nodes over all
+    rows and W the widest row's tokens. So a node is worth its own marginal cost, not B times it: the nodes of
+    all rows are taken in one descending order of survival probability pi, and the count m that maximises
+    S(m) - C(m, W(m)) / t_token is kept. An easy row then verifies a deep chain or a tree while a hard row of
+    the same batch verifies its root alone.
+
+    Args:
+        pi (`torch.FloatTensor` of shape `(B, N)`): survival probability of each node (root first; padding 0).
+            Along a path pi never grows and ties are taken in index order, so the kept set of each row is
+            closed under ancestors.
+        cost_table (`torch.Tensor` of shape `(M,)`): T(n) for n = 0 .. M - 1 tokens per row (a chain block).
+        width_table (`torch.Tensor` of shape `(M,)`): T_w(W) for W = 0 .. M - 1, one real token per row.
+        seconds_per_token (`float` or 0-d tensor): t_token.
+
+    Returns:
+        `(keep, counts)`: `keep` `(B, N)` bool (roots kept) and `counts` `(B,)` the draft nodes kept per row.
+    """
+    batch, num_nodes = pi.shape
+    device = pi.device
+    draft = pi[:, 1:]
+    flat = draft.reshape(-1)
+    order = flat.argsort(descending=True, stable=True)  # ties: row-major index order, parents first
+    gain = torch.cat([flat.new_zeros(1, dtype=torch.float64), flat[order].double().cumsum(0)])  # m = 0 .. B(N-1)
+    row_rank = descending_rank(draft).reshape(-1)[order]  # the node's place in its own row's order
+    width = torch.cat([row_rank.new_zeros(1), (row_rank + 1).cummax(0).values]) + 1  # W(m): root + deepest row
+    last = cost_table.shape[0] - 1
+    tokens = 1.0 + torch.arange(gain.shape[0], device=device, dtype=torch.float64) / batch
+    low = tokens.floor().long().clamp_max(last - 1)
+    table = cost_table.to(device, torch.float64)
+    chain = table[low] + (tokens - low) * (table[low + 1] - table[low])
+    widths = width_table.to(device, torch.float64)
+    cost = chain + widths[width.clamp_max(last)] - widths[1]
+    seconds_per_token = torch.as_tensor(seconds_per_token, device=device).double().clamp_min(1e-9)
+    m = (gain - cost / seconds_per_token).argmax()
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[order] = torch.arange(flat.shape[0], device=device) < m
+    kept = chosen.view_as(draft) & (draft > 0)
+    return torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=device), kept], dim=1), kept.sum(-1)
+
+
 def choose_prefix_host(pi: list[float], costs: list[float], seconds_per_token: float) -> tuple[list[bool], int]:
     """`choose_prefix` for one row on the host: `pi` `[N]` (root first), `costs` `[M]` the scaled cost table,
     `seconds_per_token` > 0; the same float64 sums and comparisons, ties to the lower index."""
@@ -464,7 +561,8 @@ class SpecCalibration:
             return cls(CostProfile(sizes=[1, 256], seconds=[1.0, 1.0]))
         try:
             data = json.loads(Path(value).expanduser().read_text())
-            profile = CostProfile(sizes=list(data["sizes"]), seconds=list(data["seconds"]))
+            profile = CostProfile(sizes=list(data["sizes"]), seconds=list(data["seconds"]),
+                                  width_sizes=data.get("width_sizes"), width_seconds=data.get("width_seconds"))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{ENV_COST_PROFILE}={value!r} is neither 'flat' nor a readable JSON file "
                              f"with 'sizes' and 'seconds': {exc}") from exc
@@ -499,9 +597,13 @@ class CostModel:
 
     def __init__(self, profile: CostProfile, max_tokens: int, device, smoothing: float = 0.3,
                  live_scale: bool | None = None, calibration: Calibration | None = None, timed: bool = True,
-                 rows: int = 1):
+                 rows: int = 1, packed: bool = False):
         self.profile = profile
         self.rows = rows  # rows of the batch the profile prices (one forward gives each of them a token)
+        # the verification forward runs each row's real tokens only (`lean.LeanForward`): with a width curve,
+        # every row gets its own count of nodes (`choose_nodes`)
+        self.packed = packed
+        self.width_table = self._width_table(profile, max_tokens, device)
         # untimed (a fixed curve, `SpecCalibration(cost_profile=...)`): a round is priced at its size's cost on
         # the curve instead of its measured time, and the curve is never rescaled
         self.timed = timed
@@ -528,6 +630,12 @@ class CostModel:
         self._paused_in_a_row = 0
         self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
+    def _width_table(self, profile: CostProfile, max_tokens: int, device) -> torch.Tensor | None:
+        if not self.packed or profile.width_sizes is None:
+            return None
+        return torch.tensor([0.0] + [profile.width_time(w) for w in range(1, max_tokens + 2)], dtype=torch.float64,
+                            device=device)
+
     def use_profile(self, profile: CostProfile, rows: int) -> None:
         """Price on `profile` from now on, the profile of a batch of `rows` (the batch changed size): this call's
         forwards first correct the profile they ran against (`refine_profile`); the live scale and the drafted /
@@ -539,6 +647,7 @@ class CostModel:
         self.profile = profile
         self._seconds = [profile.time(n) for n in range(len(self._seconds))]
         self.table = torch.tensor(self._seconds, dtype=torch.float64, device=self.table.device)
+        self.width_table = self._width_table(profile, len(self._seconds) - 2, self.table.device)
         self.calibration.profile, self.calibration.scale = profile, 1.0
         self.observed = {}
         self._drafted, self._plain = [0.0, 0.0], [0.0, 0.0]
@@ -604,7 +713,20 @@ class CostModel:
         if tree.tokens.shape[0] == 1 and tree.tokens.device.type == "cpu" and bool(tree.valid.all()):
             return self._prune_host(tree.parents[0].tolist(), accept[0].tolist(), tree.tokens.device)
         pi = survival(tree, accept)
+        if self.width_table is not None and tree.tokens.shape[0] > 1:
+            return choose_nodes(pi, self.table * self.scale, self.width_table * self.scale, self.seconds_per_token)
         return choose_prefix(pi, self.table * self.scale, self.seconds_per_token)
+
+    def block_seconds(self, tree) -> float:
+        """What the profile says the verification forward of `tree` costs (unscaled): a packed block by its real
+        tokens and width (`choose_nodes`), otherwise by its width."""
+        width = min(tree.tokens.shape[1], len(self._seconds) - 1)
+        if self.width_table is None or tree.tokens.shape[0] == 1:
+            return self._seconds[width]
+        rows = tree.tokens.shape[0]
+        tokens = int(tree.valid.sum()) / rows
+        return (self.profile.at(min(tokens, len(self._seconds) - 1)) + float(self.width_table[width])
+                - float(self.width_table[1]))
 
     def acceptance(self, tree) -> torch.Tensor:
         """`(B, N)` each node's calibrated chance of acceptance given its parent: the drafter's calibrated
@@ -643,10 +765,11 @@ class CostModel:
             tokens > 0, self.seconds_per_token + smoothing * (rate - self.seconds_per_token),
             self.seconds_per_token)
         if verify_seconds is not None and self.live_scale:
-            size = min(tree.tokens.shape[1], len(self._seconds) - 1)
-            ratio = verify_seconds / self._seconds[size]
+            ratio = verify_seconds / self.block_seconds(tree)
             self.scale += smoothing * (ratio - self.scale)
-            self.observed.setdefault(tree.tokens.shape[1], []).append(verify_seconds)
+            if self.width_table is None or tree.tokens.shape[0] == 1 or bool(tree.valid.all()):
+                # a block the chain curve prices as it is (a packed one is priced by the model above)
+                self.observed.setdefault(tree.tokens.shape[1], []).append(verify_seconds)
 
     def refine_profile(self) -> CostProfile:
         """At the end of a call: store the profile corrected by this call's measured forwards, where they
@@ -720,6 +843,9 @@ class DraftPricing:
         table = self.cost._seconds
         verify = self.cost.scale * (table[min(tree_width + width, len(table) - 1)]
                                     - table[min(tree_width, len(table) - 1)])
+        if self.cost.width_table is not None and level.grow_valid.shape[0] > 1:
+            # a packed forward (`choose_nodes`): the children cost their real share of the padded block
+            verify *= float(level.grow_valid.sum()) / max(level.grow_valid.numel(), 1)
         paid = gain * float(self.cost.seconds_per_token) >= self.draft_seconds(width) + max(verify, 0.0)
         self.stopped_levels += not paid
         return paid

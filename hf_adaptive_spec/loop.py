@@ -298,7 +298,7 @@ class _Decoding:
             calibration = owned.get(self.assistant_model, f"{self.strategy.name}|{profile.key}", self.device)
         # a fixed curve is priced as given: nothing follows this machine's timings (`SpecCalibration`)
         self.cost = CostModel(profile, max_tokens=256, device=self.device, calibration=calibration,
-                              timed=not fixed, rows=self.batch_size)
+                              timed=not fixed, rows=self.batch_size, packed=self.target.lean)
         if self.drafter.prices_levels and self.cost.live_scale:  # drafting is priced too (host times are real)
             self.pricing = DraftPricing(self.cost)
         self.stats.time_profile += self.clock.lap()

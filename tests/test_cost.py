@@ -8,7 +8,7 @@ import torch
 
 from hf_adaptive_spec import SageConfig, cost
 from hf_adaptive_spec.compat import output_cache
-from hf_adaptive_spec.cost import AcceptanceCalibrator, CostModel, CostProfile, choose_prefix, survival
+from hf_adaptive_spec.cost import AcceptanceCalibrator, CostModel, CostProfile, choose_nodes, choose_prefix, survival
 from hf_adaptive_spec.runner import ModelRunner
 from hf_adaptive_spec.tree import DraftTree
 from tiny_models import build_drafter, build_model, make_inputs
@@ -104,6 +104,8 @@ def test_measured_profile_leaves_the_cache_unchanged_and_is_cached(tmp_path, mon
     runner = ModelRunner(target, cache, inputs["attention_mask"].bool(), position_ids)
     profile = cost.verifier_cost_profile(runner, sizes=(1, 2, 4), repeats=1, measure=True)
     assert profile.sizes == [1, 2, 4] and all(s > 0 for s in profile.seconds)
+    # batch 2 through the lean forward: rows of different sizes run packed, so the width alone is timed too
+    assert runner.lean and profile.width_sizes == [1, 2, 4] and profile.width_seconds[0] == profile.seconds[0]
     assert all(torch.equal(a, layer.keys) for a, layer in zip(keys, cache.layers))
     files = list((tmp_path / "_verifier_cost").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["key"] == profile.key
@@ -424,3 +426,83 @@ def test_generate_refines_the_stored_profile(tmp_path, monkeypatch):
     refined = cost._MEMORY[slow.key]
     assert refined is not slow and max(refined.seconds) < 1.0
     assert list((tmp_path / "_verifier_cost").glob("*.json"))
+
+
+def _rows(*trees):
+    """One batch of the same-shaped single-row trees."""
+    return DraftTree(**{name: torch.cat([getattr(tree, name) for tree in trees]) for name in
+                        ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot")},
+                     num_levels=max(tree.num_levels for tree in trees))
+
+
+def test_a_packed_batch_gives_an_easy_and_a_hard_row_their_own_sizes():
+    """A forward that runs each row's real tokens only costs its tokens plus its width: the rule takes the nodes
+    of all rows in one order of pi, so a confident row verifies a deep chain and a hopeless one its root alone
+    (the shared count of a padded forward gives both the same); a steep width curve shortens the deep row; a
+    flat chain curve keeps every node; ties keep each row closed under ancestors."""
+    pi = torch.tensor([[1.0, 0.9, 0.85, 0.8, 0.75], [1.0, 0.05, 0.02, 0.01, 0.005]])
+    chain = torch.tensor([0.0] + [1.0 + 0.1 * (n - 1) for n in range(1, 12)], dtype=torch.float64)  # T(n), B = 2
+    flat_width = torch.tensor([0.0] + [1.0] * 11, dtype=torch.float64)
+    # one more node in one row: +0.05 s (half a token per row); at 0.5 s per token a node pays from pi 0.1
+    keep, counts = choose_nodes(pi, chain, flat_width, 0.5)
+    assert counts.tolist() == [4, 0] and keep.tolist() == [[True] * 5, [True] + [False] * 4]
+    shared, n = choose_prefix(pi, chain, 0.5)
+    assert int(n) == 4 and shared.all()  # the padded rule: both rows pay for the widest, so both verify 4
+    steep_width = torch.tensor([0.0, 1.0, 1.0, 1.0, 3.0] + [5.0] * 7, dtype=torch.float64)  # W = 4 costs 2 s more
+    assert choose_nodes(pi, chain, steep_width, 0.5)[1].tolist() == [2, 0]
+    flat = torch.tensor([0.0] + [1.0] * 11, dtype=torch.float64)
+    assert choose_nodes(pi, flat, flat_width, 0.5)[1].tolist() == [4, 4]
+    tied = torch.tensor([[1.0, 0.5, 0.5, 0.5, 0.5], [1.0, 0.5, 0.5, 0.5, 0.5]])  # a chain of equal pi per row
+    jump = torch.tensor([0.0, 1.0, 1.05, 2.0] + [3.0] * 8, dtype=torch.float64)  # two nodes pay, a third not
+    keep, counts = choose_nodes(tied, jump, flat_width, 0.11)
+    assert counts.tolist() == [2, 0] and keep[0].tolist() == [True, True, True, False, False]
+
+
+def test_the_cost_model_prices_rows_apart_only_for_a_packed_forward_with_a_width_curve():
+    """`CostModel(packed=True)` with a profile that has a width curve: per-row counts (`choose_nodes`), and a
+    verified block priced by its real tokens and width; without either: the shared count, priced by width."""
+    easy = _tree([-1, 0, 1, 2], [1.0, 0.95, 0.95, 0.95])
+    hard = _tree([-1, 0, 1, 2], [1.0, 0.05, 0.05, 0.05])
+    measured = CostProfile(sizes=[1, 2, 4], seconds=[1.0, 1.1, 1.3], width_sizes=[1, 4], width_seconds=[1.0, 1.0])
+    packed = CostModel(measured, max_tokens=8, device="cpu", live_scale=False, rows=2, packed=True)
+    packed.seconds_per_token = torch.tensor(0.5)
+    batch = _rows(easy, hard)
+    keep, counts = packed.prune(batch)
+    assert counts.tolist() == [3, 0]
+    assert packed.block_seconds(batch.subset(keep)) == pytest.approx(measured.at(2.5))
+    padded = CostModel(measured, max_tokens=8, device="cpu", live_scale=False, rows=2, packed=False)
+    padded.seconds_per_token = torch.tensor(0.5)
+    assert padded.prune(batch)[0].all()
+    no_width = CostModel(CostProfile(sizes=[1, 2, 4], seconds=[1.0, 1.1, 1.3]), max_tokens=8, device="cpu",
+                         live_scale=False, rows=2, packed=True)
+    no_width.seconds_per_token = torch.tensor(0.5)
+    assert no_width.width_table is None and no_width.prune(batch)[0].all()
+    with pytest.raises(ValueError, match="width"):
+        CostProfile(sizes=[1], seconds=[1.0], width_sizes=[1, 2], width_seconds=None)
+
+
+def _laspec_drafter(target):
+    from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+
+    torch.manual_seed(3)
+    return LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
+
+
+@pytest.mark.parametrize("strategy", ["sage", "laspec"])
+def test_rows_of_one_batch_verify_their_own_sizes_and_stay_exact(strategy, monkeypatch):
+    """Batch 3, rows of different lengths, a fixed curve with a width curve (packed verification): the rule gives
+    rows different counts in some round, and every row equals plain greedy."""
+    arch = "llama"
+    target = build_model(arch)
+    drafter = build_drafter(arch, target, "small") if strategy == "sage" else _laspec_drafter(target)
+    inputs = make_inputs(arch, batch_size=3, prompt_lengths=[4, 15, 9], with_image=False)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    counts_seen = []
+    original = cost.choose_nodes
+    monkeypatch.setattr(cost, "choose_nodes", lambda *a: counts_seen.append(original(*a)[1]) or original(*a))
+    curve = CostProfile(sizes=[1, 2, 8], seconds=[1.0, 1.15, 1.9], width_sizes=[1, 8], width_seconds=[1.0, 1.1])
+    out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                          spec_strategy=strategy, spec_config={"verify_cost": True},
+                          spec_calibration=cost.SpecCalibration(curve))
+    assert torch.equal(out, expected)
+    assert counts_seen and any(len(set(counts.tolist())) > 1 for counts in counts_seen)
