@@ -447,8 +447,10 @@ def choose_nodes(pi: torch.Tensor, cost_table: torch.Tensor, width_table: torch.
     """Which nodes to verify when the forward runs each row's real tokens only (a packed block): per row.
 
     A packed block over B rows costs what its real tokens cost plus what its width costs (attention and the
-    cache run over the padded block): C(m, W) = T(1 + m / B) + T_w(W) - T_w(1), with m the draft nodes over all
-    rows and W the widest row's tokens. So a node is worth its own marginal cost, not B times it: the nodes of
+    cache run over the padded block). The chain curve T(n) holds both, at x = n tokens per row and width n; the
+    width curve T_w(W) (one real token per row) holds the width's share: A(W) = T_w(W) - T_w(1). So with m the
+    draft nodes over all rows, x = 1 + m / B and W the widest row's tokens, C(m, W) = T(x) - A(x) + A(W)
+    (T(n) again for a full block, W = x = n). A node is worth its own marginal cost, not B times it: the nodes of
     all rows are taken in one descending order of survival probability pi, and the count m that maximises
     S(m) - C(m, W(m)) / t_token is kept. An easy row then verifies a deep chain or a tree while a hard row of
     the same batch verifies its root alone.
@@ -475,10 +477,11 @@ def choose_nodes(pi: torch.Tensor, cost_table: torch.Tensor, width_table: torch.
     last = cost_table.shape[0] - 1
     tokens = 1.0 + torch.arange(gain.shape[0], device=device, dtype=torch.float64) / batch
     low = tokens.floor().long().clamp_max(last - 1)
-    table = cost_table.to(device, torch.float64)
-    chain = table[low] + (tokens - low) * (table[low + 1] - table[low])
-    widths = width_table.to(device, torch.float64)
-    cost = chain + widths[width.clamp_max(last)] - widths[1]
+    frac = tokens - low
+    table, widths = cost_table.to(device, torch.float64), width_table.to(device, torch.float64)
+    chain = table[low] + frac * (table[low + 1] - table[low])
+    width_share = widths[low] + frac * (widths[low + 1] - widths[low])  # A(x) + T_w(1)
+    cost = chain - width_share + widths[width.clamp_max(last)]
     seconds_per_token = torch.as_tensor(seconds_per_token, device=device).double().clamp_min(1e-9)
     m = (gain - cost / seconds_per_token).argmax()
     chosen = torch.zeros_like(flat, dtype=torch.bool)
@@ -723,10 +726,11 @@ class CostModel:
         width = min(tree.tokens.shape[1], len(self._seconds) - 1)
         if self.width_table is None or tree.tokens.shape[0] == 1:
             return self._seconds[width]
-        rows = tree.tokens.shape[0]
-        tokens = int(tree.valid.sum()) / rows
-        return (self.profile.at(min(tokens, len(self._seconds) - 1)) + float(self.width_table[width])
-                - float(self.width_table[1]))
+        tokens = min(int(tree.valid.sum()) / tree.tokens.shape[0], len(self._seconds) - 2)
+        low, frac = int(tokens), tokens - int(tokens)
+        widths = self.width_table
+        width_share = float(widths[low]) + frac * float(widths[low + 1] - widths[low])
+        return self.profile.at(tokens) - width_share + float(widths[width])
 
     def acceptance(self, tree) -> torch.Tensor:
         """`(B, N)` each node's calibrated chance of acceptance given its parent: the drafter's calibrated

@@ -448,8 +448,11 @@ def test_a_packed_batch_gives_an_easy_and_a_hard_row_their_own_sizes():
     assert counts.tolist() == [4, 0] and keep.tolist() == [[True] * 5, [True] + [False] * 4]
     shared, n = choose_prefix(pi, chain, 0.5)
     assert int(n) == 4 and shared.all()  # the padded rule: both rows pay for the widest, so both verify 4
-    steep_width = torch.tensor([0.0, 1.0, 1.0, 1.0, 3.0] + [5.0] * 7, dtype=torch.float64)  # W = 4 costs 2 s more
-    assert choose_nodes(pi, chain, steep_width, 0.5)[1].tolist() == [2, 0]
+    # a width of 4 or more costs 1.3 s more than the tokens in it: the deep row stops at 2 nodes (W = 3)
+    steeper = torch.tensor([0.0] + [1.0 + 0.5 * (n - 1) for n in range(1, 12)], dtype=torch.float64)
+    steep_width = torch.tensor([0.0, 1.0, 1.0, 1.1, 2.4, 2.9] + [3.4] * 6, dtype=torch.float64)
+    assert choose_nodes(pi, steeper, steep_width, 0.5)[1].tolist() == [2, 0]
+    assert choose_nodes(pi, steeper, flat_width, 0.5)[1].tolist() == [4, 0]  # the same tokens, width free
     flat = torch.tensor([0.0] + [1.0] * 11, dtype=torch.float64)
     assert choose_nodes(pi, flat, flat_width, 0.5)[1].tolist() == [4, 4]
     tied = torch.tensor([[1.0, 0.5, 0.5, 0.5, 0.5], [1.0, 0.5, 0.5, 0.5, 0.5]])  # a chain of equal pi per row
@@ -470,6 +473,7 @@ def test_the_cost_model_prices_rows_apart_only_for_a_packed_forward_with_a_width
     keep, counts = packed.prune(batch)
     assert counts.tolist() == [3, 0]
     assert packed.block_seconds(batch.subset(keep)) == pytest.approx(measured.at(2.5))
+    assert packed.block_seconds(batch) == pytest.approx(measured.time(4))  # a full block: the chain curve itself
     padded = CostModel(measured, max_tokens=8, device="cpu", live_scale=False, rows=2, packed=False)
     padded.seconds_per_token = torch.tensor(0.5)
     assert padded.prune(batch)[0].all()
