@@ -623,13 +623,13 @@ def test_bench_docs_renders_the_load_sweep_tables():
     """`load throughput|tau|sizes` of a `--load-sweep`'s `load_sweep.json` are the tables of its `load_sweep.md`."""
     from hf_adaptive_spec import bench_docs, bench_load
 
-    source = Path(__file__).parent.parent / "docs/benchmarks/load_sweep_2026-12-03d/load_sweep.json"
+    source = Path(__file__).parent.parent / "docs/benchmarks/load_sweep_2026-12-03e/load_sweep.json"
     results = json.loads(source.read_text())
     page = bench_load.sweep_markdown(results)
     for name in ("throughput", "tau", "sizes"):
         table = "\n".join(bench_docs.render_table(results, "load", name))
         assert table in page and table.count("\n") >= 3
-    assert "| laspec | 21.4 (1.14x) |" in "\n".join(bench_docs.render_table(results, "load", "throughput"))
+    assert "| sage | 19.9 (1.24x) |" in "\n".join(bench_docs.render_table(results, "load", "throughput"))
     with pytest.raises(ValueError, match="unknown load table 'latency'"):
         bench_docs.render_table(results, "load", "latency")
 
