@@ -104,19 +104,11 @@ class CostProfile:
         slope = max((seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]), 0.0)
         return seconds[-1] + slope * (n - sizes[-1])
 
-    def at(self, tokens: float) -> float:
-        """T at a fractional number of tokens per row (linear between integers): the cost of a packed block
-        whose rows hold `tokens` real tokens on average."""
-        low = int(tokens)
-        if low == tokens:
-            return self.time(low)
-        return self.time(low) + (tokens - low) * (self.time(low + 1) - self.time(low))
-
-    def width_time(self, width: int) -> float | None:
-        """Seconds of a packed block of `width` columns holding one real token per row (None: not measured)."""
+    def width_profile(self) -> "CostProfile | None":
+        """The width curve as a profile of its own (None: not measured)."""
         if self.width_sizes is None:
             return None
-        return CostProfile(self.width_sizes, self.width_seconds).time(width)
+        return CostProfile(list(self.width_sizes), list(self.width_seconds))
 
     def table(self, max_tokens: int, device=None) -> torch.Tensor:
         """`(max_tokens + 1,)` float tensor: entry n is T(n) (T(0) = 0)."""
@@ -164,6 +156,20 @@ def measure_verifier_cost(runner, sizes=DEFAULT_SIZES, repeats: int = 3) -> Cost
         repeats (`int`): timed sweeps over all sizes (after one warm-up sweep); the median per size is kept.
     """
     batch = runner.slot_valid.shape[0]
+    seconds = _time_blocks(runner, list(sizes), repeats, packed=False)
+    # kept as measured, not made monotone: on a CPU 16 tokens can really cost less than 12 (GEMM tiling)
+    widths = width_seconds = None
+    if batch > 1 and runner.lean:  # rows of different sizes run packed: what the width alone costs
+        widths = [n for n in sizes if n <= WIDTH_SIZES_MAX]
+        width_seconds = _time_blocks(runner, widths, repeats, packed=True)
+        width_seconds[0] = seconds[0]  # the same block as T(1)
+    return CostProfile(sizes=list(sizes), seconds=seconds, width_sizes=widths, width_seconds=width_seconds)
+
+
+def _time_blocks(runner, sizes: list, repeats: int, packed: bool) -> list:
+    """Median seconds of a chain block of each size against `runner`'s cache (dropped after each forward); with
+    `packed`, only each row's first token is real (the block's width alone)."""
+    batch = runner.slot_valid.shape[0]
     device = runner.slot_valid.device
     keep_none = torch.zeros(batch, 0, dtype=torch.long, device=device)
     times = {n: [] for n in sizes}
@@ -172,10 +178,12 @@ def measure_verifier_cost(runner, sizes=DEFAULT_SIZES, repeats: int = 3) -> Cost
     # (rotated per sweep: the forward right after the largest block runs slow, and must not always be n = 1)
     for sweep in range(repeats + 1):
         shift = sweep % len(sizes)
-        for n in list(sizes[shift:]) + list(sizes[:shift]):
+        for n in sizes[shift:] + sizes[:shift]:
             tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
             parents = (torch.arange(n, device=device) - 1).expand(batch, n)
             valid = torch.ones(batch, n, dtype=torch.bool, device=device)
+            if packed:
+                valid[:, 1:] = False
             _sync(device)
             start = time.perf_counter()
             runner.forward(tokens, parents, valid)
@@ -183,28 +191,7 @@ def measure_verifier_cost(runner, sizes=DEFAULT_SIZES, repeats: int = 3) -> Cost
             if sweep:
                 times[n].append(time.perf_counter() - start)
             runner.commit(keep_none, keep_none.bool())
-    seconds = [statistics.median(times[n]) for n in sizes]
-    # kept as measured, not made monotone: on a CPU 16 tokens can really cost less than 12 (GEMM tiling)
-    widths = width_seconds = None
-    if batch > 1 and runner.lean:  # rows of different sizes run packed: what the width alone costs
-        widths = [n for n in sizes if n <= WIDTH_SIZES_MAX]
-        width_times = {n: [] for n in widths}
-        for sweep in range(repeats + 1):
-            for n in widths:
-                tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
-                parents = (torch.arange(n, device=device) - 1).expand(batch, n)
-                valid = torch.zeros(batch, n, dtype=torch.bool, device=device)
-                valid[:, 0] = True
-                _sync(device)
-                start = time.perf_counter()
-                runner.forward(tokens, parents, valid)
-                _sync(device)
-                if sweep:
-                    width_times[n].append(time.perf_counter() - start)
-                runner.commit(keep_none, keep_none.bool())
-        width_seconds = [statistics.median(width_times[n]) for n in widths]
-        width_seconds[0] = seconds[0]  # the same block as T(1)
-    return CostProfile(sizes=list(sizes), seconds=seconds, width_sizes=widths, width_seconds=width_seconds)
+    return [statistics.median(times[n]) for n in sizes]
 
 
 def _profile_path(key: str) -> Path:
@@ -606,7 +593,7 @@ class CostModel:
         # the verification forward runs each row's real tokens only (`lean.LeanForward`): with a width curve,
         # every row gets its own count of nodes (`choose_nodes`)
         self.packed = packed
-        self.width_table = self._width_table(profile, max_tokens, device)
+        self._set_widths(profile, max_tokens, device)
         # untimed (a fixed curve, `SpecCalibration(cost_profile=...)`): a round is priced at its size's cost on
         # the curve instead of its measured time, and the curve is never rescaled
         self.timed = timed
@@ -633,11 +620,12 @@ class CostModel:
         self._paused_in_a_row = 0
         self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
-    def _width_table(self, profile: CostProfile, max_tokens: int, device) -> torch.Tensor | None:
-        if not self.packed or profile.width_sizes is None:
-            return None
-        return torch.tensor([0.0] + [profile.width_time(w) for w in range(1, max_tokens + 2)], dtype=torch.float64,
-                            device=device)
+    def _set_widths(self, profile: CostProfile, max_tokens: int, device) -> None:
+        """T_w(W) for W = 0 .. max_tokens + 1 (T_w(0) = 0) on the host (`_widths`) and as `width_table`; both
+        None without a packed forward or a width curve (then the batch shares one count)."""
+        widths = profile.width_profile() if self.packed else None
+        self._widths = None if widths is None else [widths.time(w) for w in range(max_tokens + 2)]
+        self.width_table = None if widths is None else torch.tensor(self._widths, dtype=torch.float64, device=device)
 
     def use_profile(self, profile: CostProfile, rows: int) -> None:
         """Price on `profile` from now on, the profile of a batch of `rows` (the batch changed size): this call's
@@ -650,7 +638,7 @@ class CostModel:
         self.profile = profile
         self._seconds = [profile.time(n) for n in range(len(self._seconds))]
         self.table = torch.tensor(self._seconds, dtype=torch.float64, device=self.table.device)
-        self.width_table = self._width_table(profile, len(self._seconds) - 2, self.table.device)
+        self._set_widths(profile, len(self._seconds) - 2, self.table.device)
         self.calibration.profile, self.calibration.scale = profile, 1.0
         self.observed = {}
         self._drafted, self._plain = [0.0, 0.0], [0.0, 0.0]
@@ -726,11 +714,12 @@ class CostModel:
         width = min(tree.tokens.shape[1], len(self._seconds) - 1)
         if self.width_table is None or tree.tokens.shape[0] == 1:
             return self._seconds[width]
+        # choose_nodes' cost of m = valid - B draft nodes: T(x) - T_w(x) + T_w(W), x tokens per row
         tokens = min(int(tree.valid.sum()) / tree.tokens.shape[0], len(self._seconds) - 2)
         low, frac = int(tokens), tokens - int(tokens)
-        widths = self.width_table
-        width_share = float(widths[low]) + frac * float(widths[low + 1] - widths[low])
-        return self.profile.at(tokens) - width_share + float(widths[width])
+        widths = self._widths
+        chain = self._seconds[low] + frac * (self._seconds[low + 1] - self._seconds[low])
+        return chain - (widths[low] + frac * (widths[low + 1] - widths[low])) + widths[width]
 
     def acceptance(self, tree) -> torch.Tensor:
         """`(B, N)` each node's calibrated chance of acceptance given its parent: the drafter's calibrated

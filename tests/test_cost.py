@@ -28,6 +28,13 @@ def _tree(parents, probs, tokens=None):
     )
 
 
+def _rows(*trees):
+    """One batch of the same-shaped single-row trees."""
+    return DraftTree(**{name: torch.cat([getattr(tree, name) for tree in trees]) for name in
+                        ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot")},
+                     num_levels=max(tree.num_levels for tree in trees))
+
+
 def test_profile_interpolates_and_extends():
     profile = CostProfile(sizes=[1, 2, 4, 8], seconds=[1.0, 1.0, 2.0, 4.0])
     assert profile.time(0) == 0.0
@@ -144,9 +151,7 @@ def test_a_row_without_draft_nodes_adds_no_gain_to_the_batch():
     has no valid node (a finished row drafts nothing), only the other's gain counts and one node is all that
     pays."""
     chain = _tree([-1, 0, 1], [1.0, 0.9, 0.9])
-    tree = DraftTree(**{name: torch.cat([getattr(chain, name)] * 2) for name in
-                        ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot")},
-                     num_levels=chain.num_levels)
+    tree = _rows(chain, chain)
     # T(2) - T(1) = 0.5 s, T(3) - T(2) = 1.0 s at 1 s per token: node a pays for one row (pi 0.9 > 0.5), node b
     # (pi 0.81) pays only when two rows gain it (1.62 > 1.0)
     model = CostModel(CostProfile(sizes=[1, 2, 3], seconds=[1.0, 1.5, 2.5]), max_tokens=8, device="cpu",
@@ -428,13 +433,6 @@ def test_generate_refines_the_stored_profile(tmp_path, monkeypatch):
     assert list((tmp_path / "_verifier_cost").glob("*.json"))
 
 
-def _rows(*trees):
-    """One batch of the same-shaped single-row trees."""
-    return DraftTree(**{name: torch.cat([getattr(tree, name) for tree in trees]) for name in
-                        ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot")},
-                     num_levels=max(tree.num_levels for tree in trees))
-
-
 def test_a_packed_batch_gives_an_easy_and_a_hard_row_their_own_sizes():
     """A forward that runs each row's real tokens only costs its tokens plus its width: the rule takes the nodes
     of all rows in one order of pi, so a confident row verifies a deep chain and a hopeless one its root alone
@@ -472,7 +470,8 @@ def test_the_cost_model_prices_rows_apart_only_for_a_packed_forward_with_a_width
     batch = _rows(easy, hard)
     keep, counts = packed.prune(batch)
     assert counts.tolist() == [3, 0]
-    assert packed.block_seconds(batch.subset(keep)) == pytest.approx(measured.at(2.5))
+    # 5 of 8 slots real: x = 2.5 tokens a row, T(2.5) = 1.1 + 0.5 * (T(3) - T(2)) = 1.15, the width curve flat
+    assert packed.block_seconds(batch.subset(keep)) == pytest.approx(1.15)
     assert packed.block_seconds(batch) == pytest.approx(measured.time(4))  # a full block: the chain curve itself
     padded = CostModel(measured, max_tokens=8, device="cpu", live_scale=False, rows=2, packed=False)
     padded.seconds_per_token = torch.tensor(0.5)
