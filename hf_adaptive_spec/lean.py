@@ -136,8 +136,6 @@ def _unsupported(model) -> str | None:
             return "an attention normalizes queries or keys"
     if any(type(norm) is not norm_class or not _own(type(norm).forward, modeling, norm_class) for norm in norms):
         return "a norm is not the model's own RMSNorm"
-    if "kernels" in sys.modules:  # the Hub kernels package can swap norms and rotary functions for its own
-        return "the kernels package is loaded"
     if type(lm_head) is not nn.Linear:
         return "the LM head is not a plain nn.Linear"
     hooks = (torch.nn.modules.module._global_forward_hooks, torch.nn.modules.module._global_forward_pre_hooks)
@@ -148,6 +146,12 @@ def _unsupported(model) -> str | None:
             return f"a {type(module).__name__} has forward hooks"
         if type(module) is not nn.Linear and "forward" in module.__dict__:
             return f"a {type(module).__name__} has a replaced forward"
+        # the Hub `kernels` package (a dependency of transformers >= 5.25, imported with every modeling file)
+        # keeps per-instance wrappers of functions such as apply_rotary_pos_emb in `_kernel_funcs`;
+        # `kernelize` swaps a kernel in by giving a wrapper (or a norm, caught above) its own `forward`
+        for name, function in (getattr(module, "_kernel_funcs", None) or {}).items():
+            if "forward" in getattr(function, "__dict__", {}):
+                return f"a Hub kernel replaced {name} in a {type(module).__name__}"
     return None
 
 

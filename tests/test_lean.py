@@ -98,6 +98,13 @@ def test_lean_forward_declines_what_it_was_not_checked_on(monkeypatch):
     layer.forward = lambda *args, **kwargs: None  # e.g. an offload hook
     assert "replaced forward" in lean._unsupported(model)
     del layer.forward
+    kernel = nn.Module()  # what `kernels.kernelize` leaves in an attention's function wrappers
+    kernel.forward = lambda *args, **kwargs: None
+    saved = layer.self_attn.__dict__.get("_kernel_funcs")
+    layer.self_attn.__dict__["_kernel_funcs"] = {**(saved or {}), "apply_rotary_pos_emb": kernel}
+    assert "Hub kernel replaced apply_rotary_pos_emb" in lean._unsupported(model)
+    layer.self_attn.__dict__["_kernel_funcs"] = saved or {}
+    assert lean._unsupported(model) is None  # the wrappers as transformers builds them (kernels installed or not)
 
     class Adapter(nn.Linear):
         pass

@@ -136,13 +136,21 @@ def test_routed_layers_run_stock_outside_their_block():
         pytest.skip("the CPU kernel is not available here")
     layer = torch.nn.Linear(64, 64)
     x = torch.randn(5, 64)
-    stock = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    inside, outside = [], []
+
+    def in_a_thread(function):
+        # the stock reference runs in a new thread too: after torch.set_num_threads a new thread's BLAS may split
+        # the product otherwise than the main thread's (measured on an AMD EPYC: not bitwise equal)
+        out = []
+        thread = threading.Thread(target=lambda: out.append(function(x)))
+        thread.start()
+        thread.join()
+        return out[0]
+
+    stock = in_a_thread(lambda x: torch.nn.functional.linear(x, layer.weight, layer.bias))
+    inside = []
     model = torch.nn.Sequential(layer)
     with cpu_linear.fast_linears(model):
         inside.append(layer(x))
-        thread = threading.Thread(target=lambda: outside.append(layer(x)))
-        thread.start()
-        thread.join()
+        outside = [in_a_thread(layer)]
     assert torch.equal(outside[0], stock)
     assert cpu_linear._extension() is None or "forward" not in layer.__dict__
