@@ -182,6 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       "sage with a LaSpec drafter, else sage), e.g. 1 2 4 8 16 32")
     load.add_argument("--load-repeats", type=int, default=1, metavar="R",
                       help="with --load-sweep: timed passes per level, each method keeping its fastest (default 1)")
+    load.add_argument("--fixed", nargs="+", default=None, metavar="NAME",
+                      help="the fixed structures to run: chainK (K draft tokens in a line) and treeN (N draft "
+                      "nodes), e.g. chain1 chain2 tree8 (default chain1 chain2 chain4 chain8 tree8 tree16)")
     load.add_argument("--arrivals", choices=("poisson", "bursty"), default=None,
                       help="replay timed request arrivals through a batching scheduler (plain vs a chain vs the "
                       "adaptive rules): mean and p90 latency, throughput")
@@ -456,6 +459,9 @@ def check_run_options(args) -> None:
 def _prelude(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
     """Check every option before anything is loaded, set threads and seed; `(device, laspec drafter?, prompts)`."""
     check_run_options(args)
+    if getattr(args, "fixed", None):
+        raise ValueError("--fixed picks the fixed structures of --load-sweep / --arrivals; the per-prompt bench runs "
+                         "the strategies of --strategies.")
     device = _resolve_device(args.device)
     if args.drafter_int8 and device.type != "cpu":
         raise ValueError("--drafter-int8 uses CPU dynamic-quantization kernels; run it with --device cpu.")

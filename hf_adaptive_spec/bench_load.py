@@ -19,7 +19,7 @@ Methods (`load_methods`), chosen from the drafter kind:
   drafter's ``block_size``, its depth limit) or ``top_k`` 2 and ``n_max`` n (the n nodes of highest path
   probability), the context-lookup and datastore branches off so that the structure is exactly that; with an
   independent drafter, `chain` with ``num_draft_tokens`` = min = max = k and ``adaptive`` False, and
-  `static_tree` with `default_tree_paths(n, 6)`;
+  `static_tree` with `default_tree_paths(n, 6)`; `--fixed chain2 tree8 ...` runs a subset (or other sizes);
 - the adaptive rule: each of `--strategies` (default ``laspec`` and ``sage`` with a LaSpec drafter, ``sage``
   with an independent one) with its defaults, the cost rule on (``verify_cost`` True) and any `--spec-config`;
 - ``best_fixed``: per load level, the fixed structure of highest throughput there, picked AFTER the fact from
@@ -86,6 +86,7 @@ __all__ = [
     "decode_batch",
     "left_pad",
     "load_methods",
+    "fixed_structures",
     "make_arrivals",
     "replay",
     "row_tokens",
@@ -704,6 +705,20 @@ def _levels(args) -> list:
     return levels
 
 
+def fixed_structures(names: Optional[Sequence[str]]) -> tuple:
+    """`(chain_lengths, tree_sizes)` from `--fixed` names such as ``chain2`` and ``tree8`` (None: the defaults)."""
+    if names is None:
+        return CHAIN_LENGTHS, TREE_SIZES
+    chains, trees = [], []
+    for name in dict.fromkeys(names):
+        kind, _, size = name.partition("chain") if name.startswith("chain") else name.partition("tree")
+        if kind or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--fixed {name}: name chainK (K >= 1 draft tokens in a line) or treeN (N >= 1 draft "
+                             "nodes), e.g. chain2 tree8.")
+        (chains if name.startswith("chain") else trees).append(int(size))
+    return tuple(chains), tuple(trees)
+
+
 def _adaptive_strategies(args, laspec: bool) -> list:
     """The adaptive rules to run: `--strategies`, else laspec and sage (LaSpec drafter) or sage."""
     from .strategies import STRATEGIES
@@ -759,7 +774,8 @@ def _prelude(args, prompt_loader) -> tuple:
             raise ValueError(f"--spec-config names {name!r}, which is not among the adaptive rules {adaptive} "
                              "(with --load-sweep / --arrivals it sets an adaptive rule; fixed structures are set).")
         spec_configs[name] = {**spec_configs.get(name, {}), **config}
-    for method in load_methods(laspec, adaptive, spec_configs)[0]:
+    chains, trees = fixed_structures(getattr(args, "fixed", None))
+    for method in load_methods(laspec, adaptive, spec_configs, chain_lengths=chains, tree_sizes=trees)[0]:
         if method.strategy is not None:
             try:
                 resolve_config(method.strategy, method.spec_config, device)
@@ -832,7 +848,8 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
     device, laspec, prompts, adaptive, spec_configs, levels = _prelude(args, prompt_loader)
     target, tokenizer, drafter, load_seconds = _load_models(args, laspec, model_loader)
     block_size = getattr(getattr(drafter, "config", None), "block_size", None) if laspec else None
-    methods, skipped = load_methods(laspec, adaptive, spec_configs, block_size)
+    chains, trees = fixed_structures(getattr(args, "fixed", None))
+    methods, skipped = load_methods(laspec, adaptive, spec_configs, block_size, chains, trees)
     pad_token_id = _pad_id(tokenizer)
     sizes = list(levels) + (list(range(1, args.max_batch + 1)) if args.arrivals else [])
     prepared = _prepare(target, drafter, methods, sizes)

@@ -149,6 +149,15 @@ def test_load_sweep_with_a_laspec_drafter():
     assert by_name["laspec"]["candidates_per_round"] >= by_name["laspec"]["nodes_per_round"]
 
 
+def test_fixed_picks_the_fixed_structures(tmp_path):
+    assert bench_load.fixed_structures(None) == (bench_load.CHAIN_LENGTHS, bench_load.TREE_SIZES)
+    assert bench_load.fixed_structures(["tree8", "chain2", "chain1", "chain2"]) == ((2, 1), (8,))
+    results = _run_load(tmp_path, "--load-sweep", "2", "--fixed", "chain2", "tree4")["load_sweep"]
+    assert list(results["methods"]) == ["plain", "chain2", "tree4", "sage"]
+    assert {r["method"] for r in results["records"]} == {"plain", "chain2", "tree4", "sage"}
+    assert all(r["matches_plain"] for r in results["records"])
+
+
 def test_repeated_passes_keep_each_methods_fastest(monkeypatch):
     """With repeats, every method runs that many timed passes per level (each pass's order rotated once more),
     scores its fastest and checks every pass's rows against plain's."""
@@ -313,6 +322,11 @@ def test_load_option_errors(tmp_path):
         _run_load(tmp_path, "--arrivals", "poisson", "--rate", "0")
     with pytest.raises(ValueError, match="--cold"):
         _run_load(tmp_path, "--load-sweep", "1", "--cold")
+    for bad in ("chain0", "tree", "chains2", "dag4"):
+        with pytest.raises(ValueError, match=f"--fixed {bad}: name chainK"):
+            _run_load(tmp_path, "--load-sweep", "1", "--fixed", "chain2", bad)
+    with pytest.raises(ValueError, match="--fixed picks"):
+        bench.run(_args(tmp_path, "--fixed", "chain2"), model_loader=_tiny_loader)
     with pytest.raises(ValueError, match="bench_load"):  # the per-prompt bench points to the load modes' entry
         bench.run(_args(tmp_path, "--load-sweep", "1"), model_loader=_tiny_loader)
 
