@@ -104,7 +104,7 @@ def test_a_prior_curve_takes_its_level_from_the_first_round():
                   verify_seconds=0.02)
     assert float(model.seconds_per_token) == pytest.approx(0.01)
     assert model.scale * prior.time(3) == pytest.approx(0.02)
-    assert cost.refine_profile(prior, {3: [0.02] * 8}).source == "rounds"  # a prior is replaced, however close
+    assert cost.refine_profile(prior, {3: [0.02] * 8}, use_disk=False).source == "rounds"  # replaced, however close
 
 
 def test_cold_worker_times_first_calls_and_checks_outputs(monkeypatch, tmp_path):
