@@ -65,6 +65,7 @@ import collections
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -709,14 +710,14 @@ def fixed_structures(names: Optional[Sequence[str]]) -> tuple:
     """`(chain_lengths, tree_sizes)` from `--fixed` names such as ``chain2`` and ``tree8`` (None: the defaults)."""
     if names is None:
         return CHAIN_LENGTHS, TREE_SIZES
-    chains, trees = [], []
+    sizes = {"chain": [], "tree": []}
     for name in dict.fromkeys(names):
-        kind, _, size = name.partition("chain") if name.startswith("chain") else name.partition("tree")
-        if kind or not size.isdigit() or int(size) < 1:
+        match = re.fullmatch(r"(chain|tree)([1-9][0-9]*)", name)
+        if match is None:
             raise ValueError(f"--fixed {name}: name chainK (K >= 1 draft tokens in a line) or treeN (N >= 1 draft "
                              "nodes), e.g. chain2 tree8.")
-        (chains if name.startswith("chain") else trees).append(int(size))
-    return tuple(chains), tuple(trees)
+        sizes[match[1]].append(int(match[2]))
+    return tuple(sizes["chain"]), tuple(sizes["tree"])
 
 
 def _adaptive_strategies(args, laspec: bool) -> list:
