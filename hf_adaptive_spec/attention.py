@@ -101,7 +101,7 @@ def library_attention_forward(module, query, key, value, attention_mask, **kwarg
     """
     recorders = _RECORDERS.get()
     for record in reversed(recorders):
-        if record(module, query):
+        if record(module, query, key):
             break
     if _FOLD.get() or recorders:
         return tree_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
@@ -177,8 +177,8 @@ def switched_attention(model):
 
 @contextlib.contextmanager
 def recording_queries(record):
-    """Inside the block, `record(module, query)` sees every query of a `TREE_SDPA` forward of this context
-    (innermost recorder first; it returns True to stop the search)."""
+    """Inside the block, `record(module, query, key)` sees every query (and the keys it attends to) of a
+    `TREE_SDPA` forward of this context (innermost recorder first; it returns True to stop the search)."""
     token = _RECORDERS.set(_RECORDERS.get() + (record,))
     try:
         yield

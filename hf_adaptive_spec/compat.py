@@ -16,9 +16,6 @@ from .placement import check_placement
 from .windows import attention_layout
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-# forward arguments of models whose decoder attends to another sequence (image states, an encoder) through
-# cross-attention layers: their cache holds those states, and their masks are per step
-_CROSS_ATTENTION_ARGUMENTS = ("cross_attention_states", "cross_attention_mask", "encoder_hidden_states")
 # raw multimodal inputs a drafter may need in its prefill
 MULTIMODAL_KEYS = (
     "pixel_values",
@@ -63,6 +60,30 @@ def _text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def cross_attention(model) -> str | None:
+    """What gives `model`'s decoder cross-attention layers, or None when it has none.
+
+    Decided by what the model holds, never by the arguments its forward accepts (GPT-2 and GPTBigCode take
+    `encoder_hidden_states` but build cross-attention layers only when `config.add_cross_attention` is set):
+    a decoder config that enables cross-attention (`add_cross_attention`, `cross_attention_layers`), or a
+    module of the text decoder whose class is a cross-attention one.
+    """
+    config = _text_config(model)
+    if getattr(config, "add_cross_attention", False):
+        return "config.add_cross_attention=True"
+    layers = getattr(config, "cross_attention_layers", None)
+    if layers:
+        return f"config.cross_attention_layers={list(layers)}"
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError):
+        decoder = None
+    for module in (decoder if decoder is not None else model).modules():
+        if "crossattention" in type(module).__name__.lower():
+            return f"a {type(module).__name__} module"
+    return None
+
+
 def check_model(model, role: str) -> None:
     """Raise a `ValueError` naming the problem if `model` cannot verify or draft trees exactly."""
     name = type(model).__name__
@@ -87,21 +108,21 @@ def check_model(model, role: str) -> None:
         attention_layout(model)  # full, sliding-window and chunked layers only
     except ValueError as error:
         raise ValueError(f"The {role}: {error}") from None
-    parameters = inspect.signature(model.forward).parameters
-    cross = [argument for argument in _CROSS_ATTENTION_ARGUMENTS if argument in parameters]
-    if cross:
+    cross = cross_attention(model)
+    if cross is not None:
         raise NotImplementedError(
-            f"The {role} {name} attends to a second sequence through cross-attention layers (its forward takes "
-            f"{', '.join(cross)}): their cache and per-step masks are not carried through tree rounds; "
-            "spec_strategy supports self-attention decoders only."
+            f"The {role} {name} attends to a second sequence through cross-attention layers ({cross}): their "
+            "cache and per-step masks are not carried through tree rounds; spec_strategy supports self-attention "
+            "decoders only."
         )
+    parameters = inspect.signature(model.forward).parameters
     if "position_ids" not in parameters:
         raise ValueError(f"The {role} {name} does not accept explicit position_ids, which tree verification needs.")
 
 
 def check_cache(cache, role: str) -> None:
-    """Only an empty `DynamicCache` of full-attention or sliding-window layers is supported (the sliding ones
-    are swapped for full layers by `windows.full_layer_cache` before the prefill)."""
+    """Only an empty `DynamicCache` of full-attention or sliding-window layers is supported (the sliding ones keep
+    plain generate's window; `windows.WindowedSlots`)."""
     if type(cache) is not DynamicCache:
         raise ValueError(
             f"spec_strategy needs a DynamicCache for the {role}, got {type(cache).__name__}; "

@@ -8,8 +8,8 @@ and lays the slots out like plain generate, so the cache continues generation as
 Differences from plain generate's cache: the values come from tree verification (the same math, fp rounding
 may differ), and a row that ended before the longest one (EOS, a stopping criterion) has zeros in the slots
 from its last token on, where plain generate, which keeps stepping finished rows, holds the pad tokens it fed.
-Sliding-window layers keep every slot (`windows.full_layer_cache`), where plain generate's keep the last window:
-the masks apply the window, so generation continues from either cache to the same tokens.
+Sliding-window and chunked layers come back as plain generate's `DynamicSlidingWindowLayer`s, holding the
+same `size - 1` last slots (`windows.to_plain_layers`; slots of left padding hold zeros there).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def returned_cache(target, buffer, last_round=None):
     prompt_length = buffer.prompt_length
     lengths = buffer.lengths
     width = int(lengths.max()) - 1  # plain generate's cache length
+    pads = (~target.slot_valid[:, :prompt_length]).sum(-1)
+    target.plain_windowed_layers(width, pads)
     generated = target.slot_valid[:, prompt_length:]
     if target.committed_length == width and bool(generated.all()):
         return cache  # every row committed the same tokens without holes: already plain generate's layout
@@ -57,7 +59,7 @@ def returned_cache(target, buffer, last_round=None):
     index = torch.cat([torch.arange(prompt_length, device=device).expand(batch, -1), order + prompt_length], dim=1)
     index = index[:, :width]
     real = (torch.arange(width, device=device)[None, :] < (lengths - 1)[:, None])[:, None, :, None]  # (B, 1, W, 1)
-    for layer in cache.layers:  # (each layer's cache on its own device where the model is split over several)
+    for layer in (cache.layers[i] for i in target.full_layers):  # (each on its own device where the model is split)
         layer.keys, layer.values = (
             torch.where(real.to(t.device),
                         t.gather(2, index.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])), 0)

@@ -196,12 +196,14 @@ class LeanForward:
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache,
                  logits_to_keep: int = 0, output_hidden_states: bool = False,
-                 token_valid: torch.Tensor | None = None) -> CausalLMOutputWithPast:
+                 token_valid: torch.Tensor | None = None, state_indices=None) -> CausalLMOutputWithPast:
         """`token_valid` (`(B, M)` bool, optional; with `logits_to_keep` 0): the real tokens of a padded block.
         Given, the per-token work (embedding, norms, projections, MLP, LM head) runs on the real tokens only,
         packed into one `(m, hidden)` matrix, and only attention and the cache see the padded `(B, M)` layout
         (padding positions get zero queries, keys and values, and zero logits and states). A batch whose rows
-        verify trees of different sizes then costs what its real tokens cost, not B times its widest row."""
+        verify trees of different sizes then costs what its real tokens cost, not B times its widest row.
+        `state_indices` (iterable of `int`, optional): keep only these hidden-state entries (numbered like
+        `hidden_states`), returned as a dict; implies `output_hidden_states`."""
         inner = self.inner
         implementation = inner.config._attn_implementation
         if implementation not in _ATTENTION:
@@ -234,7 +236,9 @@ class LeanForward:
         # 2 operations per tensor instead of 5
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        states = [hidden] if output_hidden_states else None
+        keep = None if state_indices is None else set(state_indices)
+        last = len(self.layers)
+        states = [hidden if keep is None or 0 in keep else None] if (output_hidden_states or keep) else None
         for (norm_in, attention, q_proj, k_proj, v_proj, o_proj, norm_post, gate_proj, up_proj, down_proj,
              act_fn, q_norm, k_norm) in self.layers:
             residual = hidden
@@ -263,13 +267,18 @@ class LeanForward:
             hidden = down_proj.forward(act_fn(gate_proj.forward(hidden)) * up_proj.forward(hidden))
             hidden = residual + hidden
             if states is not None:
-                states.append(hidden)
+                states.append(hidden if keep is None or len(states) in keep else None)
         hidden = _rms_norm(inner.norm, hidden)
         if states is not None:
-            states[-1] = hidden  # transformers records the last layer's output after the final norm
+            # transformers records the last layer's output after the final norm
+            states[-1] = hidden if keep is None or last in keep else None
         if spread is not None:
             logits = spread(self.lm_head.forward(hidden))
-            states = [spread(state) for state in states] if states is not None else None
+            states = [spread(s) if s is not None else None for s in states] if states is not None else None
         else:
             logits = self.lm_head.forward(hidden[:, slice(-logits_to_keep, None), :])
-        return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(states) if states is not None else None)
+        if states is not None and keep is not None:
+            states = {index: state for index, state in enumerate(states) if index in keep}
+        elif states is not None:
+            states = tuple(states)
+        return CausalLMOutputWithPast(logits=logits, hidden_states=states)

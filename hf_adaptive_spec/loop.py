@@ -29,7 +29,7 @@ from .placement import execution_device, tensor_parallel
 from .processors import SequenceBuffer, StopChecker, process_logits, row_free
 from .retire import RetiredRows
 from .runner import ModelRunner
-from .windows import full_layer_cache
+from .target_states import StateCapture
 from .strategies import get_strategy_class, resolve_config
 
 
@@ -153,7 +153,6 @@ def _validate(model, input_ids, generation_config, streamer, assistant_model, to
         raise ValueError("spec_strategy needs use_cache=True.")
     cache = cache_from_kwargs(model_kwargs)
     check_cache(cache, "target")
-    full_layer_cache(cache)  # windows are applied by the masks; every slot stays (see `windows`)
     if model_kwargs.get("position_ids") is None:
         raise ValueError(f"{type(model).__name__} gets no position_ids from generate; spec_strategy needs them.")
     return cache
@@ -238,9 +237,16 @@ class _Decoding:
         """The target's prefill, exactly as plain generate runs it -> the first token; then the drafter's."""
         model, input_ids, drafter = self.model, self.input_ids, self.drafter
         kwargs = self.model_kwargs
-        if drafter.needs_target_states:
-            kwargs = {**kwargs, "output_hidden_states": True}
-        with drafter.prefill_scope(input_ids), _prefill_positions(model) as used_positions:
+        with contextlib.ExitStack() as prefill_scope:
+            prefill_scope.enter_context(drafter.prefill_scope(input_ids))
+            used_positions = prefill_scope.enter_context(_prefill_positions(model))
+            # only the hidden states the drafter reads are kept (never every layer at every prompt position)
+            indices = drafter.target_states(prefill=True)
+            capture = StateCapture.for_model(model, indices) if indices is not None else None
+            if capture is not None:
+                prefill_scope.enter_context(capture)
+            elif indices is not None:
+                kwargs = {**kwargs, "output_hidden_states": True}
             outputs = model._prefill(input_ids, self.generation_config, kwargs)
         if self.cache.get_seq_length() != input_ids.shape[1]:
             raise ValueError(
@@ -250,7 +256,9 @@ class _Decoding:
         raw = outputs.logits[:, -1, :].to(torch.float32)
         scores = self.logits_processor(input_ids, raw) if len(self.logits_processor) else raw
         first = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
-        hidden = outputs.hidden_states if drafter.needs_target_states else None
+        hidden = None
+        if indices is not None:
+            hidden = capture.states if capture is not None else outputs.hidden_states
         del outputs
         attention_mask = self.model_kwargs.get("attention_mask")
         slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
@@ -393,13 +401,13 @@ class _Decoding:
         target, drafter = self.target, self.drafter
         model_time = target.model_time
         with drafter.verify_scope():  # the target's states feed a block drafter's context: same forward
-            outputs = target.forward(tree.tokens, tree.parents, tree.valid,
-                                     **({"output_hidden_states": True} if drafter.needs_target_states else {}))
+            indices = drafter.target_states()
+            outputs = target.forward(tree.tokens, tree.parents, tree.valid, states=indices)
         elapsed = self.clock.lap()
         seconds = target.model_time - model_time
         self.stats.time_verify += seconds
         self.stats.time_tree += elapsed - seconds
-        hidden = outputs.hidden_states if drafter.needs_target_states else None
+        hidden = outputs.hidden_states if indices is not None else None
         return outputs.logits.to(torch.float32), hidden, seconds
 
     def _accept(self, tree, raw: torch.Tensor, active: torch.Tensor, paused: bool) -> "_Accepted":
@@ -467,7 +475,7 @@ class _Decoding:
             stats.unpaid_levels = self.pricing.stopped_levels
         self.trace.finish(stats)
         # a final round that ended the call was not committed: its tree is still the cache's tail
-        last_round = self.last_round if self.cache.get_seq_length() > self.target.committed_length else None
+        last_round = self.last_round if self.target.has_tail else None
         stats.retired_rows = self.trace.batch_size - self.batch_size
         if stats.retired_rows:  # rows that left the batch come back, in order
             self.retired.restore_buffer(buffer, self.rows)

@@ -33,11 +33,7 @@ class RetiredRows:
     def add(self, original_rows: torch.Tensor, rows: torch.Tensor, buffer, target) -> None:
         """Keep rows `rows` (indices into the current batch; `original_rows` their rows in the call) of the
         sequence `buffer` and, if `keep_cache`, of `target`'s committed cache."""
-        cache = None
-        if self.keep_cache:
-            layers = [(layer.keys.index_select(0, rows.to(layer.keys.device)),
-                       layer.values.index_select(0, rows.to(layer.values.device))) for layer in target.cache.layers]
-            cache = (layers, target.slot_valid[rows])
+        cache = target.rows_state(rows) if self.keep_cache else None
         self.groups.append((original_rows, buffer.ids[rows], buffer.lengths[rows], cache))
 
     def restore_buffer(self, buffer, live_rows: torch.Tensor) -> None:
@@ -50,20 +46,6 @@ class RetiredRows:
         buffer.ids, buffer.lengths = ids, lengths
 
     def restore_cache(self, target, live_rows: torch.Tensor) -> None:
-        """`target`'s cache and `slot_valid` (committed slots only) hold every row again, in order; a retired row's
+        """`target`'s cache and slot layouts (committed slots only) hold every row again, in order; a retired row's
         slots past its own committed ones are invalid holes (zeros)."""
-        width = target.slot_valid.shape[1]
-        slot_valid = target.slot_valid.new_zeros((self.batch_size, width))
-        slot_valid[live_rows] = target.slot_valid
-        for rows, _, _, (_, group_valid) in self.groups:
-            slot_valid[rows, : group_valid.shape[1]] = group_valid
-        for index, layer in enumerate(target.cache.layers):
-            for kind, name in enumerate(("keys", "values")):
-                tensor = getattr(layer, name)
-                full = tensor.new_zeros((self.batch_size,) + tuple(tensor.shape[1:]))
-                full[live_rows.to(tensor.device)] = tensor
-                for rows, _, _, (layers, _) in self.groups:
-                    kept = layers[index][kind]
-                    full[rows.to(tensor.device), :, : kept.shape[2]] = kept
-                setattr(layer, name, full)
-        target.slot_valid = slot_valid
+        target.restore_rows(live_rows, self.batch_size, [(rows, cache) for rows, _, _, cache in self.groups])

@@ -9,11 +9,14 @@ how a stock HF model verifies a whole tree in one pass.
 Cache layout during a round: `[committed slots (S) | uncommitted tail]`. The
 tail is a tree (see `DraftTree`'s layout rules) described by `parents`; a
 forward appends a block of new tail nodes, `commit` keeps a chosen subset of
-the tail (gathered into place) and drops the rest.
+the tail (gathered into place) and drops the rest. Sliding-window and chunked
+layers hold fewer committed slots, with their own layout (`windows.WindowedSlots`):
+what plain generate keeps, plus the round in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 
@@ -24,7 +27,8 @@ from transformers.cache_utils import DynamicLayer
 from . import ops
 from .compat import cache_argument
 from .lean import lean_forward
-from .windows import attention_layout
+from .target_states import StateCapture
+from .windows import attention_layout, to_plain_layers, windowed_slots
 
 
 class InPlaceAppend:
@@ -39,7 +43,7 @@ class InPlaceAppend:
     The values are the same as concatenation's, slot for slot.
     """
 
-    SPARE = 64  # slots of spare capacity at least; a quarter of the length beyond that
+    SPARE = 64  # slots of spare capacity at least; a sixteenth of the length beyond that
 
     def __init__(self, layer: DynamicLayer):
         self.layer = layer
@@ -69,7 +73,7 @@ class InPlaceAppend:
 
     def _grow(self, tensor: torch.Tensor, end: int) -> torch.Tensor:
         batch, heads, length, dim = tensor.shape
-        buffer = tensor.new_empty(batch, heads, end + max(self.SPARE, end // 4), dim)
+        buffer = tensor.new_empty(batch, heads, end + max(self.SPARE, end // 16), dim)
         buffer[:, :, :length].copy_(tensor)
         return buffer
 
@@ -119,6 +123,10 @@ class ModelRunner:
         self._cache_argument = cache_argument(model)
         self._lean = lean_forward(model)  # the same operations without transformers' Python, where supported
         self.layout = attention_layout(model)  # sliding-window / chunked layers: their windows go in the mask
+        # their cache holds plain generate's window plus the round in flight, with a slot layout of its own
+        self.windows = windowed_slots(model, cache, slot_valid)
+        windowed = {index for group in self.windows for index in group.layers}
+        self.full_layers = [i for i in range(len(cache.layers)) if i not in windowed]
         self.model_time = 0.0  # seconds inside the model's forward, for the time split
         # rounds append a few slots per forward: into spare capacity, not by copying the cache (`InPlaceAppend`)
         self.appending = append_in_place(cache)
@@ -137,6 +145,25 @@ class ModelRunner:
     def committed_length(self) -> int:
         return self.slot_valid.shape[1]
 
+    @property
+    def has_tail(self) -> bool:
+        """Whether the cache holds uncommitted slots (a tree of the last forward)."""
+        return self._cached_length() > self._committed(self._reference_layer())
+
+    def _reference_layer(self) -> int:
+        return self.full_layers[0] if self.full_layers else self.windows[0].layers[0]
+
+    def _committed(self, layer_index: int) -> int:
+        """Committed slots of cache layer `layer_index`."""
+        for group in self.windows:
+            if layer_index in group.layers:
+                return group.length
+        return self.committed_length
+
+    def _cached_length(self) -> int:
+        layer = self.cache.layers[self._reference_layer()]
+        return layer.keys.shape[2] if layer.is_initialized and layer.keys.dim() == 4 else 0
+
     def position_ids(self, offsets: torch.Tensor) -> torch.Tensor:
         """Position ids for tokens at text offsets `(B, M)` past the committed tokens: `(B, M)` or `(R, B, M)`."""
         positions = self.next_position[:, None] + offsets
@@ -152,6 +179,7 @@ class ModelRunner:
         parents: torch.Tensor,
         valid: torch.Tensor,
         logits_to_keep: int = 0,
+        states=None,
         **model_kwargs,
     ):
         """Run a block of new tail nodes in one forward.
@@ -162,46 +190,65 @@ class ModelRunner:
                 block is its last M nodes, the first T - M are already in the cache).
             valid (`torch.BoolTensor` of shape `(B, T)`): False for padding nodes.
             logits_to_keep (`int`): keep logits of the last n block positions only (0 = all).
+            states (iterable of `int`, *optional*): hidden-state entries to return (numbered like
+                `outputs.hidden_states`), as `output.hidden_states`, a dict by entry; the others are not kept.
 
         Returns:
             The model output (`logits` of shape `(B, M or n, V)`).
         """
         num_new = input_ids.shape[1]
         tail = parents.shape[1] - num_new
-        if self.cache.get_seq_length() != self.committed_length + tail:
+        reference = self._reference_layer()
+        if self._cached_length() != self._committed(reference) + tail:
             raise RuntimeError(
-                f"cache holds {self.cache.get_seq_length()} slots, expected {self.committed_length} + {tail}"
+                f"cache holds {self._cached_length()} slots, expected {self._committed(reference)} + {tail}"
             )
         mask, depths = ops.tree_attention_mask(parents, valid, self.slot_valid, self.dtype, num_query=num_new)
         kwargs = dict(model_kwargs)
         if self._accepts_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
         position_ids = self.position_ids(depths[:, tail:])
-        if self.layout is not None:  # text positions of the queries and of every key slot (committed | tail)
+        if self.windows:  # each windowed layer type: its own slots, and the window by text positions
             node_positions = self.next_position[:, None] + depths
-            slot_positions = self.slot_valid.long().cumsum(-1) - 1
-            mask = self.layout.restrict(mask, node_positions[:, tail:], torch.cat([slot_positions, node_positions], 1))
+            masks = {}
+            for group in self.windows:
+                group_mask, _ = ops.tree_attention_mask(parents, valid, group.valid, self.dtype, num_query=num_new)
+                masks[group.layer_type] = self.layout.restrict(
+                    group_mask, node_positions[:, tail:], torch.cat([group.positions, node_positions], 1),
+                    group.layer_type)
+            if self.layout.per_type:
+                if self.full_layers:
+                    masks["full_attention"] = mask
+                mask = masks
+            else:
+                (mask,) = masks.values()
         start = time.perf_counter()
         lean = (self._lean is not None and self._lean.applies(input_ids) and isinstance(mask, torch.Tensor)
                 and set(model_kwargs) <= {"output_hidden_states"})
+        capture = None
+        if states is not None and not lean:
+            capture = StateCapture.for_model(self.model, states)
+            if capture is None:  # layers not located: every entry is asked for (a tuple, indexed alike)
+                kwargs["output_hidden_states"] = True
         if lean:
             # rows of different tree sizes: the per-token work runs on the real tokens only (`LeanForward`)
             block_valid = valid[:, tail:]
             packed = None if logits_to_keep or bool(block_valid.all()) else block_valid
             output = self._lean(input_ids, mask, position_ids, self.cache, logits_to_keep=logits_to_keep,
                                 output_hidden_states=bool(model_kwargs.get("output_hidden_states")),
-                                token_valid=packed)
+                                token_valid=packed, state_indices=states)
         else:
             try:
-                output = self.model(
-                    input_ids=input_ids,
-                    attention_mask=mask,  # (B, 1, M, S + T), or one such mask per layer type
-                    position_ids=position_ids,
-                    use_cache=True,
-                    return_dict=True,
-                    **{self._cache_argument: self.cache},
-                    **kwargs,
-                )
+                with capture if capture is not None else contextlib.nullcontext():
+                    output = self.model(
+                        input_ids=input_ids,
+                        attention_mask=mask,  # (B, 1, M, S + T), or one such mask per layer type
+                        position_ids=position_ids,
+                        use_cache=True,
+                        return_dict=True,
+                        **{self._cache_argument: self.cache},
+                        **kwargs,
+                    )
             except (AttributeError, TypeError, KeyError) as error:
                 if isinstance(mask, torch.Tensor):
                     raise
@@ -210,6 +257,8 @@ class ModelRunner:
                     f"not take one attention mask per layer type ({type(error).__name__}: {error}); spec_strategy "
                     "cannot carry the windows of its layers past the first window's length."
                 ) from error
+        if capture is not None:
+            output.hidden_states = capture.states
         self.model_time += time.perf_counter() - start
         return output
 
@@ -221,29 +270,87 @@ class ModelRunner:
             layer.values = layer.values.index_select(0, rows.to(layer.values.device))
         self.slot_valid = self.slot_valid[rows]
         self.next_position = self.next_position[rows]
+        for group in self.windows:
+            group.keep_rows(rows)
         if self.rope_deltas is not None:  # (B,) or (R, B)
             self.rope_deltas = self.rope_deltas[..., rows]
 
+    def rows_state(self, rows: torch.Tensor) -> tuple:
+        """The committed cache and slot layout of rows `rows` `(R,)` (between rounds), for `restore_rows`."""
+        layers = [(layer.keys.index_select(0, rows.to(layer.keys.device)),
+                   layer.values.index_select(0, rows.to(layer.values.device))) for layer in self.cache.layers]
+        return layers, self.slot_valid[rows], [(group.valid[rows], group.positions[rows]) for group in self.windows]
+
+    def restore_rows(self, live_rows: torch.Tensor, batch_size: int, states: list) -> None:
+        """The cache and slot layouts hold `batch_size` rows again: the current rows at `live_rows`, and each
+        `(rows, rows_state(...))` of `states` at its rows; a row's slots past its own are invalid holes (zeros)."""
+        def widen(current, parts, fill):
+            width = max([current.shape[1]] + [part.shape[1] for _, part in parts])
+            full = current.new_full((batch_size, width), fill)
+            full[live_rows, : current.shape[1]] = current
+            for rows, part in parts:
+                full[rows, : part.shape[1]] = part
+            return full
+
+        self.slot_valid = widen(self.slot_valid, [(rows, state[1]) for rows, state in states], False)
+        for g, group in enumerate(self.windows):
+            group.valid = widen(group.valid, [(rows, state[2][g][0]) for rows, state in states], False)
+            group.positions = widen(group.positions, [(rows, state[2][g][1]) for rows, state in states], 0)
+        for index, layer in enumerate(self.cache.layers):
+            for kind, name in enumerate(("keys", "values")):
+                tensor = getattr(layer, name)
+                parts = [(rows, state[0][index][kind]) for rows, state in states]
+                width = max([tensor.shape[2]] + [part.shape[2] for _, part in parts])
+                full = tensor.new_zeros((batch_size, tensor.shape[1], width, tensor.shape[3]))
+                full[live_rows.to(tensor.device), :, : tensor.shape[2]] = tensor
+                for rows, part in parts:
+                    full[rows.to(tensor.device), :, : part.shape[2]] = part
+                setattr(layer, name, full)
+
     def commit(self, keep_index: torch.Tensor, keep_valid: torch.Tensor) -> None:
-        """Keep tail slots `keep_index` `(B, K)` (in order) as committed; `keep_valid` `(B, K)` marks real ones."""
-        start = self.committed_length
+        """Keep tail slots `keep_index` `(B, K)` (in order) as committed; `keep_valid` `(B, K)` marks real ones.
+        Windowed layers then drop what no later query can see, once they hold more than their slack."""
         layers = self.cache.layers
         kept = keep_index.shape[1]
+        starts = [self._committed(i) for i in range(len(layers))]
         if torch.equal(keep_index, torch.arange(kept, device=keep_index.device).expand_as(keep_index)):
             # every row keeps the first K tail slots in order (a chain accepted from its start): nothing moves
-            for layer in layers:
+            for layer, start in zip(layers, starts):
                 layer.keys, layer.values = layer.keys[:, :, : start + kept], layer.values[:, :, : start + kept]
         else:
-            tensors = [layer.keys for layer in layers] + [layer.values for layer in layers]
-            compacted = [None] * len(tensors)
-            by_device = {}  # a model split over devices (accelerate's device_map) keeps each layer's cache on its own
-            for i, tensor in enumerate(tensors):
-                by_device.setdefault(tensor.device, []).append(i)
-            for device, members in by_device.items():
-                kept_tensors = ops.compact_kv_([tensors[i] for i in members], keep_index.to(device), start)
-                for i, tensor in zip(members, kept_tensors):
-                    compacted[i] = tensor
+            # a model split over devices (accelerate's device_map) keeps each layer's cache on its own
+            by_place = {}
             for i, layer in enumerate(layers):
-                layer.keys, layer.values = compacted[i], compacted[len(layers) + i]
+                by_place.setdefault((layer.keys.device, starts[i]), []).append(i)
+            for (device, start), members in by_place.items():
+                tensors = [layers[i].keys for i in members] + [layers[i].values for i in members]
+                compacted = ops.compact_kv_(tensors, keep_index.to(device), start)
+                for j, i in enumerate(members):
+                    layers[i].keys, layers[i].values = compacted[j], compacted[len(members) + j]
+        for group in self.windows:
+            group.append(keep_valid, self.next_position)
         self.slot_valid = torch.cat([self.slot_valid, keep_valid], dim=1)
         self.next_position = self.next_position + keep_valid.sum(-1)
+        for group in self.windows:
+            self._compact_window(group)
+
+    def _compact_window(self, group, force: bool = False) -> None:
+        """Each row of `group`'s layers keeps only the slots a later query can see (plain's window), in order."""
+        compaction = group.compact_index(self.next_position, force=force)
+        if compaction is None:
+            return
+        index, valid = compaction
+        for layer_index in group.layers:
+            layer = self.cache.layers[layer_index]
+            layer.keys, layer.values = (
+                t.gather(2, index.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+                for t in (layer.keys, layer.values))
+        group.compacted(index, valid)
+
+    def plain_windowed_layers(self, width: int, pads: torch.Tensor) -> None:
+        """Windowed layers laid out as plain generate's `DynamicSlidingWindowLayer`s of a `width`-slot cache whose
+        rows start with `pads` `(B,)` padding slots (the end of the call)."""
+        if not self.windows:
+            return
+        slot_text = torch.arange(width, device=pads.device)[None, :] - pads[:, None]
+        to_plain_layers(self.cache, self.windows, width, slot_text)

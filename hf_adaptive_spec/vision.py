@@ -86,6 +86,13 @@ class VisualKeyStore:
         Returns:
             [`VisualKeyStore`].
         """
+        return cls.from_keys({layer: cache.layers[layer].keys for layer in layer_ids}, visual_mask)
+
+    @classmethod
+    def from_keys(cls, keys_by_layer: dict, visual_mask: torch.Tensor) -> VisualKeyStore:
+        """`from_cache` from each layer's prompt keys `{layer: (B, H_kv, S, D)}` (as the prefill's attention saw
+        them: a sliding-window layer's cache keeps only its window)."""
+        layer_ids = list(keys_by_layer)
         visual_mask = visual_mask.bool()
         batch, seq_len = visual_mask.shape
         counts_tensor = visual_mask.sum(1)  # (B,)
@@ -97,7 +104,7 @@ class VisualKeyStore:
         positions = order.masked_fill(~valid, -1)
         quantized, scales = {}, {}
         for layer in layer_ids:
-            keys = cache.layers[layer].keys  # (B, H_kv, S, D)
+            keys = keys_by_layer[layer]  # (B, H_kv, S, D)
             if keys.shape[0] != batch or keys.shape[2] != seq_len:
                 raise ValueError(
                     f"visual_mask has shape {(batch, seq_len)} but layer {layer}'s cached keys have batch "
@@ -247,6 +254,9 @@ class QueryCapture:
             raise ValueError(f"layer_ids {unknown} are not text decoder layers of {type(model).__name__} "
                              f"(it has {len(known)}).")
         self.queries: dict[int, torch.Tensor] = {}
+        # the first forward's keys of each captured layer (the prompt's, for `VisualKeyStore.from_keys`)
+        self.keep_prompt_keys = False
+        self.prompt_keys: dict[int, torch.Tensor] = {}
         self._stack: contextlib.ExitStack | None = None
         self._token = None
 
@@ -263,13 +273,16 @@ class QueryCapture:
         stack, self._stack = self._stack, None
         stack.close()
 
-    def _record(self, module, query) -> bool:
-        """Keep the query of a captured layer of this model; True when `module` is one of this model's."""
+    def _record(self, module, query, key=None) -> bool:
+        """Keep the query of a captured layer of this model (and, for the first forward, the keys it attended
+        to: `prompt_keys`); True when `module` is one of this model's."""
         layer = self._layer_of_module.get(id(module))
         if layer is None:
             return False
         if layer in self.layer_ids:
             self.queries[layer] = query.detach()
+            if key is not None and self.keep_prompt_keys and len(self.prompt_keys) < len(self.layer_ids):
+                self.prompt_keys.setdefault(layer, key.detach())
         return True
 
     def clear(self) -> None:

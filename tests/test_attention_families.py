@@ -115,7 +115,7 @@ def test_tree_forward_equals_per_path_forward_across_the_window(family):
 
 def test_without_the_window_the_tree_forward_is_wrong(monkeypatch):
     """The per-path reference tells a windowed mask from a plain tree mask (the test above has power)."""
-    monkeypatch.setattr(windows_module.AttentionLayout, "restrict", lambda self, mask, queries, keys: mask)
+    monkeypatch.setattr(windows_module.AttentionLayout, "restrict", lambda self, mask, queries, keys, layer_type: mask)
     model = _model("gemma3_text")
     inputs = tf_.make_inputs("gemma3_text", 1)
     generator = torch.Generator().manual_seed(0)
@@ -140,13 +140,12 @@ def test_window_masks_by_text_position():
                                             True, True)
     mask = torch.zeros(1, 1, 2, 8)  # the tree mask (here: everything allowed) keeps blocking what it blocks
     keys = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
-    masks = layout.restrict(mask, torch.tensor([[5, 7]]), keys)
-    allowed = {name: (m[0, 0] == 0).int().tolist() for name, m in masks.items()}
+    allowed = {name: (layout.restrict(mask, torch.tensor([[5, 7]]), keys, name)[0, 0] == 0).int().tolist()
+               for name in ("sliding_attention", "chunked_attention")}
     assert allowed["sliding_attention"] == [[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1]]
     assert allowed["chunked_attention"] == [[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 1, 1]]
-    assert allowed["full_attention"] == [[1] * 8, [1] * 8]
     # every position below the smallest window: the tree mask is already right
-    assert layout.restrict(mask, torch.tensor([[1, 2]]), keys) is mask
+    assert layout.restrict(mask, torch.tensor([[1, 2]]), keys, "sliding_attention") is mask
 
 
 def test_cross_attention_vlm_refused_before_decoding():
@@ -167,3 +166,74 @@ def test_recurrent_layers_refused_by_layer_type():
     model.config._attn_implementation = "sdpa"
     with pytest.raises(ValueError, match="linear_attention"):
         check_model(model, "target")
+
+
+def _returned_cache(out):
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "llama4_text", "gemma3_vlm"])
+def test_returned_cache_has_plains_layers_after_a_long_prompt(family):
+    """Prompts ten times the window: the speculative call returns plain's layer classes, lengths and cumulative
+    lengths, with plain's values at every slot a row really holds (a row that ended early: zeros from its last
+    token on, documented in `final_cache`)."""
+    target = _model(family)
+    drafter = tf_.drafter(family, target, "copy")
+    for batch_size in (1, 2):
+        inputs = tf_.make_inputs(family, batch_size, prompt_lengths=(40, 25))
+        plain = target.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, return_dict_in_generate=True)
+        ends = (plain.sequences != tf_.PAD_ID).cumsum(-1).argmax(-1)  # each row's last real token
+        for strategy in STRATEGIES:
+            out = target.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=drafter,
+                                  spec_strategy=strategy, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, plain.sequences), (family, batch_size, strategy)
+            width = plain.sequences.shape[1] - 1
+            for mine, theirs in zip(_returned_cache(out).layers, _returned_cache(plain).layers):
+                assert type(mine) is type(theirs), (family, strategy)
+                assert mine.keys.shape == theirs.keys.shape and mine.values.shape == theirs.values.shape
+                assert getattr(mine, "cumulative_length", None) == getattr(theirs, "cumulative_length", None)
+                length = theirs.keys.shape[2]
+                slots = torch.arange(width - length, width)
+                real = (slots[None, :] < ends[:, None])[:, None, :, None]
+                for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                    torch.testing.assert_close(a * real, b * real, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "llama4_text"])
+def test_windowed_layers_hold_plains_window_during_rounds(family, monkeypatch):
+    """After every commit a windowed layer holds at most plain's `window - 1` slots plus the slack, whatever the
+    holes rows of different acceptance leave (batch 2, a drafter that is often wrong)."""
+    from hf_adaptive_spec.runner import ModelRunner
+
+    target = _model(family)
+    drafter = tf_.drafter(family, target, "small")
+    lengths = []
+    commit = ModelRunner.commit
+
+    def recording(self, keep_index, keep_valid):
+        commit(self, keep_index, keep_valid)
+        for group in self.windows:
+            lengths.extend(self.cache.layers[i].keys.shape[2] for i in group.layers)
+            assert group.length == self.cache.layers[group.layers[0]].keys.shape[2]
+
+    monkeypatch.setattr(ModelRunner, "commit", recording)
+    inputs = tf_.make_inputs(family, 2, prompt_lengths=(40, 25))
+    expected = target.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    for strategy in STRATEGIES:
+        out = target.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=drafter,
+                              spec_strategy=strategy)
+        assert torch.equal(out, expected), (family, strategy)
+    assert lengths and max(lengths) <= tf_.WINDOW - 1 + tf_.WINDOW // 16
+
+
+def test_slots_of_a_windowed_layout_are_found_by_text_position():
+    """`WindowedSlots.plain_index` finds each wanted position among valid slots, never an invalid duplicate."""
+    valid = torch.tensor([[True, False, True, True, False, True]])
+    positions = torch.tensor([[3, 4, 4, 5, 6, 6]])  # invalid slots share positions with valid ones
+    group = windows_module.WindowedSlots("sliding_attention", "sliding", 8, [0], valid, positions)
+    assert group.plain_index(torch.tensor([[2, 3, 4, 5, 6, 7]])).tolist() == [[-1, 0, 2, 3, 5, -1]]
+    index, kept = group.compact_index(torch.tensor([7]), force=True)  # window 8 at position 7: all of 3..6
+    assert index.tolist() == [[0, 2, 3, 5]] and kept.all()
+    index, kept = windows_module.WindowedSlots("sliding_attention", "sliding", 3, [0], valid, positions) \
+        .compact_index(torch.tensor([7]), force=True)  # window 3: positions 5 and 6 only
+    assert index.tolist() == [[3, 5]]

@@ -243,7 +243,9 @@ def test_a_packed_block_computes_only_its_real_tokens_to_the_same_values(arch, k
         packed = runner(tokens, mask, positions, twin, output_hidden_states=True, token_valid=valid)
     assert rows_seen == [batch * size, int(valid.sum())]
     real = valid[..., None]
-    close = dict(rtol=1e-5, atol=1e-5)
+    # (with kernels, the padded block's 18 rows may go to torch and the packed 12 to the kernel: AVX2 runs the
+    # kernel up to 12 rows, two roundings of the same sums)
+    close = dict(rtol=1e-4, atol=5e-5)
     torch.testing.assert_close(packed.logits * real, padded.logits * real, **close)
     assert not packed.logits[~valid].any()
     for mine, theirs in zip(packed.hidden_states, padded.hidden_states):

@@ -57,8 +57,8 @@ class VerifiedRound:
         path_index (`(B, D + 1)`): the accepted nodes, root first.
         accept_length (`(B,)`): accepted draft tokens per row.
         bonus (`(B,)`): the target's next token per row (the next pending root).
-        hidden_states (tuple or None): the target's hidden states at every tree node, if the drafter
-            `needs_target_states`.
+        hidden_states (tuple, dict or None): the target's hidden states at every tree node, the entries the drafter
+            reads (`Drafter.target_states`), if it `needs_target_states`.
     """
 
     tree: DraftTree
@@ -91,6 +91,11 @@ class Drafter:
     root: torch.Tensor | None = None  # (B,) the pending root: the target's last token, which the next tree grows from
     model_time: float = 0.0  # seconds inside the drafter's forwards so far
     visual_time: float = 0.0  # seconds selecting visual tokens so far
+
+    def target_states(self, prefill: bool = False) -> tuple | None:
+        """The target's hidden-state entries this drafter reads (numbered like `outputs.hidden_states`) from the
+        prefill (`prefill`) or a verification forward; None: none (`needs_target_states` False)."""
+        return None
 
     def prefill_scope(self, input_ids: torch.Tensor):
         """A context manager entered around the target's prefill."""

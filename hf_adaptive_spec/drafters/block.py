@@ -125,6 +125,11 @@ class BlockDrafter(Drafter):
 
     # ---- the loop's steps (`Drafter`)
 
+    def target_states(self, prefill: bool = False) -> tuple:
+        """The fused layers' outputs; in the prefill also the input embeddings when the visual branch is live."""
+        indices = tuple(layer + 1 for layer in self.layer_ids)
+        return (0, *indices) if prefill and self.capture is not None else indices
+
     def start(self, prefill: TargetPrefill) -> None:
         self.prefill(prefill.hidden_states, prefill.slot_valid, prefill.first_token)
         self.setup_vision(prefill.hidden_states, prefill.cache)
@@ -161,6 +166,7 @@ class BlockDrafter(Drafter):
             return nullcontext()
         self.image_mask = mask
         self.capture = QueryCapture(self.target, self.layer_ids)
+        self.capture.keep_prompt_keys = True  # a sliding-window layer's cache keeps its window only
         return self.capture
 
     def setup_vision(self, hidden_states, cache) -> None:
@@ -168,7 +174,9 @@ class BlockDrafter(Drafter):
         if self.capture is None:
             return
         start = time.perf_counter()
-        self.visual_store = VisualKeyStore.from_cache(cache, self.layer_ids, self.image_mask)
+        keys = self.capture.prompt_keys
+        self.capture.keep_prompt_keys, self.capture.prompt_keys = False, {}
+        self.visual_store = VisualKeyStore.from_keys({layer: keys[layer] for layer in self.layer_ids}, self.image_mask)
         self.prompt_embeds = hidden_states[0]  # (B, S, H) input embeddings, image features included
         self.visual_time += time.perf_counter() - start
         last = torch.full((self.image_mask.shape[0],), self.image_mask.shape[1] - 1, device=self.image_mask.device)

@@ -126,7 +126,9 @@ class LaSpecDrafterConfig(PreTrainedConfig):
             num_attention_heads=num_heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
-            intermediate_size=text.intermediate_size,
+            # GPT-2-style configs name the MLP width n_inner (None: 4 x hidden)
+            intermediate_size=(getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
+                               or 4 * text.hidden_size),
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
             vocab_size=text.vocab_size,
             target_hidden_size=text.hidden_size,

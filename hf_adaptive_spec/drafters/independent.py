@@ -19,7 +19,6 @@ from ..compat import MULTIMODAL_KEYS, cache_argument, check_cache
 from ..runner import ModelRunner
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
-from ..windows import full_layer_cache
 from .base import Drafter, TargetPrefill, VerifiedRound
 from .levels import choose_level
 
@@ -51,7 +50,6 @@ class IndependentDrafter(Drafter):
         model = self.model
         cache = DynamicCache(config=model.config)
         check_cache(cache, "drafter")
-        full_layer_cache(cache)
         accepted = set(inspect.signature(model.forward).parameters)
         kwargs = {k: raw_inputs[k] for k in MULTIMODAL_KEYS if raw_inputs.get(k) is not None and k in accepted}
         if attention_mask is not None:
