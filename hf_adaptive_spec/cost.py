@@ -31,13 +31,13 @@ import json
 import os
 import contextvars
 import statistics
-import time
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from . import clock
 from .drafters.host_tree import float32
 from .ops import cpu_linear, scoped
 from .strategies.base import descending_rank
@@ -185,11 +185,11 @@ def _time_blocks(runner, sizes: list, repeats: int, packed: bool) -> list:
             if packed:
                 valid[:, 1:] = False
             _sync(device)
-            start = time.perf_counter()
+            start = clock.now()
             runner.forward(tokens, parents, valid)
             _sync(device)
             if sweep:
-                times[n].append(time.perf_counter() - start)
+                times[n].append(clock.now() - start)
             runner.commit(keep_none, keep_none.bool())
     return [statistics.median(times[n]) for n in sizes]
 

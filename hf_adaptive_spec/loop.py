@@ -9,12 +9,12 @@ stopping criteria and streamer.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import clock
 from . import ops
 from .acceptance import sample_accept
 from .attention import tree_attention
@@ -116,10 +116,10 @@ class SpecGenerateOutput(GenerateDecoderOnlyOutput):
 
 class _Clock:
     def __init__(self):
-        self.last = time.perf_counter()
+        self.last = clock.now()
 
     def lap(self) -> float:
-        now = time.perf_counter()
+        now = clock.now()
         elapsed, self.last = now - self.last, now
         return elapsed
 
@@ -188,7 +188,7 @@ class _Decoding:
 
     def __init__(self, scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
                  streamer, assistant_model, model_kwargs, calibration=None):
-        self.start_time = time.perf_counter()
+        self.start_time = clock.now()
         self.calibration = calibration
         self.scope, self.model, self.cache, self.input_ids = scope, model, cache, input_ids
         self.logits_processor, self.generation_config, self.streamer = logits_processor, generation_config, streamer
@@ -283,9 +283,9 @@ class _Decoding:
         target still decides every token), and tree forwards' GQA without repeat_kv."""
         drafter = self.drafter
         compact = (drafter.model,) if drafter.compact_weights else ()
-        setup_start = time.perf_counter()
+        setup_start = clock.now()
         self.scope.enter_context(cpu_linear.fast_linears(self.model, self.assistant_model, compact=compact))
-        self.stats.time_setup += time.perf_counter() - setup_start
+        self.stats.time_setup += clock.now() - setup_start
         for verifier in (self.model, drafter.model if drafter.tree_forwards else None):
             self.scope.enter_context(tree_attention(verifier))
 
@@ -323,7 +323,7 @@ class _Decoding:
 
     def round(self) -> bool:
         """One round; True when it ended the call (every row finished)."""
-        round_start = time.perf_counter()
+        round_start = clock.now()
         active = ~self.finished
         tree, paused = self._draft(active)
         if self.cost is not None and not paused:
@@ -336,7 +336,7 @@ class _Decoding:
             return True
         self._commit(tree, accepted, hidden)
         if self.cost is not None:
-            round_seconds = time.perf_counter() - round_start
+            round_seconds = clock.now() - round_start
             tokens = accepted.counts.sum()
             self.cost.observe(tree, accepted.choice, round_seconds, tokens, verify_seconds)  # greedy: choice set
             if self.drafter.may_pause and self.cost.live_scale:  # host times are real (CPU): reading costs nothing
@@ -484,7 +484,7 @@ class _Decoding:
                 self.retired.restore_cache(self.target, self.rows)
                 last_round = None
         stats.new_tokens = int((buffer.lengths - buffer.prompt_length).sum())
-        stats.time_total = time.perf_counter() - self.start_time
+        stats.time_total = clock.now() - self.start_time
         sequences = buffer.sequences()
         if not self.generation_config.return_dict_in_generate:
             return sequences

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from . import clock
 from . import ops
 from .compat import cache_argument
 from .lean import lean_forward
@@ -222,7 +222,7 @@ class ModelRunner:
                 mask = masks
             else:
                 (mask,) = masks.values()
-        start = time.perf_counter()
+        start = clock.now()
         lean = (self._lean is not None and self._lean.applies(input_ids) and isinstance(mask, torch.Tensor)
                 and set(model_kwargs) <= {"output_hidden_states"})
         capture = None
@@ -259,7 +259,7 @@ class ModelRunner:
                 ) from error
         if capture is not None:
             output.hidden_states = capture.states
-        self.model_time += time.perf_counter() - start
+        self.model_time += clock.now() - start
         return output
 
     def keep_rows(self, rows: torch.Tensor) -> None:

@@ -24,11 +24,11 @@ Typical use (the decoding loop wires this; shapes in the docstrings):
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
 
+from . import clock
 from . import ops
 from .attention import TREE_SDPA, recording_queries, register_tree_attention, switched_attention
 
@@ -181,7 +181,7 @@ def select_visual_tokens(
         (cache slots) of the kept tokens ranked best first, -1 where a row has fewer visual tokens than kept;
         `cost_seconds` is None when not `timed`.
     """
-    start = time.perf_counter() if timed else None
+    start = clock.now() if timed else None
     if not queries:
         raise ValueError("queries is empty: capture at least one layer.")
     missing = [layer for layer in queries if layer not in store.quantized]
@@ -198,7 +198,7 @@ def select_visual_tokens(
     if timed:
         if indices.is_cuda:
             torch.cuda.synchronize(indices.device)
-        cost = time.perf_counter() - start
+        cost = clock.now() - start
     return indices, cost
 
 

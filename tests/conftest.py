@@ -43,16 +43,68 @@ def fetch_real_smollm2(tmp_path_factory):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "measured_cost: the test runs the real, timed cost curve and drafting pauses")
+    config.addinivalue_line("markers", "measured_cost: the test runs the timed cost rule (cost curve, live scale, "
+                                       "drafting prices and pauses) on a fake clock with injected forward costs")
+
+
+class FakeClock:
+    """A clock that advances only by injected costs: a forward of a model costs `FIXED + PER_PARAMETER x its
+    parameters x the tokens of the block` (a target of twice the size costs twice as much per token), and every
+    read a microsecond (so no two reads are equal). What a test of timing-driven behaviour sees then depends on
+    the code path alone, never on how fast or busy the machine is."""
+
+    FIXED = 2e-3
+    PER_PARAMETER = 1e-10
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        self.seconds += 1e-6
+        return self.seconds
+
+    def charge(self, model, tokens: int) -> None:
+        parameters = sum(p.numel() for p in model.parameters())
+        self.seconds += self.FIXED + self.PER_PARAMETER * parameters * tokens
 
 
 @pytest.fixture(autouse=True)
 def _fixed_cost_curve(request, monkeypatch):
-    """Tests never depend on how fast or busy the machine is: unless a test is marked `measured_cost` (or passes
+    """Tests never depend on how fast or busy the machine is. Unless a test is marked `measured_cost` (or passes
     its own `SpecCalibration`), a call's cost rule prices nodes on a fixed flat curve (every node that can be
-    accepted is kept) and follows none of this machine's timings (`SpecCalibration(cost_profile=...)`, given to
-    calls without one by `HF_ADAPTIVE_SPEC_COST_PROFILE`). Tests of the rules give them fixed costs themselves."""
+    accepted is kept) and follows no timing (`SpecCalibration(cost_profile=...)`, given to calls without one by
+    `HF_ADAPTIVE_SPEC_COST_PROFILE`). A `measured_cost` test runs the timed rule, on a `FakeClock` that target and
+    drafter forwards advance by fixed costs (`hf_adaptive_spec.clock.use_clock`)."""
     if request.node.get_closest_marker("measured_cost") is None:
         monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_PROFILE", "flat")
-    else:
-        monkeypatch.delenv("HF_ADAPTIVE_SPEC_COST_PROFILE", raising=False)
+        yield
+        return
+    monkeypatch.delenv("HF_ADAPTIVE_SPEC_COST_PROFILE", raising=False)
+    from hf_adaptive_spec import clock
+    from hf_adaptive_spec.drafters.laspec import LaSpecDrafterModel
+    from hf_adaptive_spec.runner import ModelRunner
+
+    fake = FakeClock()
+    forward, block = ModelRunner.forward, LaSpecDrafterModel.forward_block
+
+    def charged_forward(self, input_ids, *args, **kwargs):
+        output = forward(self, input_ids, *args, **kwargs)
+        fake.charge(self.model, input_ids.shape[0] * input_ids.shape[1])
+        return output
+
+    def charged_block(self, input_ids, *args, **kwargs):
+        output = block(self, input_ids, *args, **kwargs)
+        fake.charge(self, input_ids.shape[0] * input_ids.shape[1])
+        return output
+
+    monkeypatch.setattr(ModelRunner, "forward", charged_forward)
+    monkeypatch.setattr(LaSpecDrafterModel, "forward_block", charged_block)
+    with clock.use_clock(fake):
+        yield fake
+
+
+@pytest.fixture
+def fake_clock(_fixed_cost_curve):
+    """The `FakeClock` of a `measured_cost` test (to charge costs of its own)."""
+    assert isinstance(_fixed_cost_curve, FakeClock), "fake_clock is for tests marked measured_cost"
+    return _fixed_cost_curve

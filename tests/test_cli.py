@@ -1,6 +1,5 @@
 """The hf-adaptive-spec command line: parsing, argument errors and what the demo times (tiny models only)."""
 
-import time
 
 import pytest
 
@@ -45,7 +44,7 @@ class _Digits:
 
 
 @pytest.mark.measured_cost
-def test_demo_times_speculation_after_the_one_off_cost_curve(tmp_path, monkeypatch, capsys):
+def test_demo_times_speculation_after_the_one_off_cost_curve(tmp_path, monkeypatch, capsys, fake_clock):
     # a fresh machine has no cost curve yet: measuring it (~20 s for the demo's 1.5B target on 2 cores) must
     # happen in the warm-up, not in the timed speculative run that the demo compares with plain generate
     from hf_adaptive_spec import cost
@@ -58,7 +57,7 @@ def test_demo_times_speculation_after_the_one_off_cost_curve(tmp_path, monkeypat
 
     def slow_measure(*args, **kwargs):
         measured.append("timed" if timed else "warm-up")
-        time.sleep(0.2)  # a real model's measurement takes seconds
+        fake_clock.seconds += 0.2  # a real model's measurement takes seconds
         return measure(*args, **kwargs)
 
     target = build_model("llama")

@@ -19,11 +19,11 @@ visual tokens the drafter's gated cross-attention sees next round
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
 
+from .. import clock
 from ..lookup import add_chain, context_lookup, lookup_code, store_code
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
@@ -173,12 +173,12 @@ class BlockDrafter(Drafter):
         """After the prefill: int8 visual keys, the prompt's input embeddings, round 1's visual tokens."""
         if self.capture is None:
             return
-        start = time.perf_counter()
+        start = clock.now()
         keys = self.capture.prompt_keys
         self.capture.keep_prompt_keys, self.capture.prompt_keys = False, {}
         self.visual_store = VisualKeyStore.from_keys({layer: keys[layer] for layer in self.layer_ids}, self.image_mask)
         self.prompt_embeds = hidden_states[0]  # (B, S, H) input embeddings, image features included
-        self.visual_time += time.perf_counter() - start
+        self.visual_time += clock.now() - start
         last = torch.full((self.image_mask.shape[0],), self.image_mask.shape[1] - 1, device=self.image_mask.device)
         self.select_visual(last)  # prompts are left-padded: the last slot is every row's last prompt token
 
@@ -190,13 +190,13 @@ class BlockDrafter(Drafter):
         """Pick this round's M visual tokens from the query at forward position `last_index` `(B,)`."""
         if not self.uses_vision or not self.capture.queries:
             return
-        start = time.perf_counter()
+        start = clock.now()
         slots = choose_visual_slots(self.capture.query_at(last_index), self.visual_store, self.num_visual_tokens)
         self.visual_valid = slots >= 0
         index = slots.clamp_min(0)[..., None].expand(-1, -1, self.prompt_embeds.shape[-1])
         self.visual_embeds = self.prompt_embeds.gather(1, index)
         self.capture.clear()
-        self.visual_time += time.perf_counter() - start
+        self.visual_time += clock.now() - start
 
     # ---- context
 
@@ -245,7 +245,7 @@ class BlockDrafter(Drafter):
         input_ids[:, 0] = self.root
         positions = self.root_position[:, None] + torch.arange(depth, device=device)
         previous = self.previous_state if model.config.fuse_previous_state else None
-        start = time.perf_counter()
+        start = clock.now()
         out = model.forward_block(input_ids, self.context, context_mask=self.context_valid,
                                   context_position_ids=self.context_positions, position_ids=positions,
                                   visual_embeds=self.visual_embeds, visual_mask=self.visual_valid,
@@ -255,7 +255,7 @@ class BlockDrafter(Drafter):
             scores, vocab = model.logits_from_hidden(hidden), None
         else:
             scores, vocab = model.draft_vocab_logits(hidden), model.draft_vocab
-        self.model_time += time.perf_counter() - start
+        self.model_time += clock.now() - start
         return scores, vocab
 
     @torch.no_grad()
