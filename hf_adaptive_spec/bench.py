@@ -53,7 +53,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import bench_vision, loading
+from . import bench_memory, bench_vision, loading
 from .bench_report import _describe, _environment, _jsonable, _now, _print_summary, _write_outputs
 from .bench_stats import PLAIN, STOCK_BEST, STOCK_DEFAULT, aggregate
 from .cost import SpecCalibration
@@ -191,6 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     load.add_argument("--rate", type=float, default=1.0, help="with --arrivals: mean requests per second (default 1)")
     load.add_argument("--requests", type=int, default=32, help="with --arrivals: requests in the trace (default 32)")
     load.add_argument("--max-batch", type=int, default=8, help="with --arrivals: most requests per batch (default 8)")
+    bench_memory.add_arguments(parser)
     return parser
 
 

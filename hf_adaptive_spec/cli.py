@@ -132,6 +132,10 @@ def cmd_prepare(args) -> int:
 def _bench(args) -> int:
     from . import bench, cold
 
+    if args.memory:  # peak memory per method, one process each
+        from . import bench_memory
+
+        return bench_memory.run_memory(args)["exit_code"]
     if args.load_sweep or args.arrivals:  # batched load modes (they refuse --cold)
         from . import bench_load
 

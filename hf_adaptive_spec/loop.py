@@ -242,7 +242,8 @@ class _Decoding:
             used_positions = prefill_scope.enter_context(_prefill_positions(model))
             # only the hidden states the drafter reads are kept (never every layer at every prompt position)
             indices = drafter.target_states(prefill=True)
-            capture = StateCapture.for_model(model, indices) if indices is not None else None
+            consume = drafter.fuse_prefill_state if drafter.fuses_prefill_states else None
+            capture = StateCapture.for_model(model, indices, consume) if indices is not None else None
             if capture is not None:
                 prefill_scope.enter_context(capture)
             elif indices is not None:

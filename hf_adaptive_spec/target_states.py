@@ -41,19 +41,22 @@ class StateCapture:
         norm (`nn.Module` or None): the final norm, whose output is the last entry.
         indices (iterable of `int`): entries to record, `0..len(layers)`.
 
+        consume (callable, *optional*): `consume(index, tensor)` gets each entry as soon as it is computed,
+            instead of `states` keeping it (a drafter that fuses layers as they come).
+
     After the block, `states` maps each index to its `(B, S, hidden)` tensor (a dict indexed like
-    `outputs.hidden_states`).
+    `outputs.hidden_states`), unless `consume` took them.
     """
 
-    def __init__(self, layers, norm, indices):
-        self.layers, self.norm = layers, norm
+    def __init__(self, layers, norm, indices, consume=None):
+        self.layers, self.norm, self.consume = layers, norm, consume
         self.indices = sorted(set(indices))
         self.states = {}
         self._handles = []
         self._thread = None
 
     @classmethod
-    def for_model(cls, model, indices) -> "StateCapture | None":
+    def for_model(cls, model, indices, consume=None) -> "StateCapture | None":
         """A capture of `indices` for `model`, or None when its layers (or, for the last entry, its final norm)
         cannot be located: the caller then asks the forward for all hidden states."""
         found = decoder_layers(model)
@@ -63,11 +66,15 @@ class StateCapture:
         indices = set(indices)
         if not indices <= set(range(len(layers) + 1)) or (len(layers) in indices and norm is None):
             return None
-        return cls(layers, norm, indices)
+        return cls(layers, norm, indices, consume)
 
     def _record(self, index: int, value) -> None:
         if threading.get_ident() == self._thread:
-            self.states[index] = value[0] if isinstance(value, tuple) else value
+            value = value[0] if isinstance(value, tuple) else value
+            if self.consume is not None:
+                self.consume(index, value)
+            else:
+                self.states[index] = value
 
     def __enter__(self) -> "StateCapture":
         self.states = {}

@@ -96,8 +96,14 @@ def test_fused_state_follows_each_rows_accepted_path():
     gen = torch.Generator().manual_seed(0)
     prompt_states = tuple(torch.randn(2, 5, hidden, generator=gen) for _ in range(width))
     slot_valid = torch.tensor([[True] * 5, [False, False, True, True, True]])
-    state.prefill(prompt_states, slot_valid, torch.tensor([9, 10]))
     encoded = drafter.encode_context(gather_target_hidden(prompt_states, drafter.config.target_layer_ids))
+    # the prefill's layers fused as they come (one projected part each) == the fusion's projection
+    summed = None
+    for part, layer in enumerate(drafter.config.target_layer_ids):
+        projected = drafter.context_part(part, prompt_states[layer + 1])
+        summed = projected if summed is None else summed + projected
+    torch.testing.assert_close(drafter.encode_context_sum(summed), encoded, atol=1e-5, rtol=1e-5)
+    state.prefill(encoded, slot_valid, torch.tensor([9, 10]))
     torch.testing.assert_close(state.previous_state, encoded[:, -1])
     tree_states = tuple(torch.randn(2, 6, hidden, generator=gen) for _ in range(width))
     path_index = torch.tensor([[0, 2, 3, 5], [0, 1, 4, 0]])

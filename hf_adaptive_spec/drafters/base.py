@@ -92,6 +92,12 @@ class Drafter:
     model_time: float = 0.0  # seconds inside the drafter's forwards so far
     visual_time: float = 0.0  # seconds selecting visual tokens so far
 
+    fuses_prefill_states: bool = False  # takes the prefill's states one by one (`fuse_prefill_state`)
+
+    def fuse_prefill_state(self, index: int, state: torch.Tensor) -> None:
+        """Hidden-state entry `index` of the target's prefill, as soon as its forward computed it."""
+        raise NotImplementedError
+
     def target_states(self, prefill: bool = False) -> tuple | None:
         """The target's hidden-state entries this drafter reads (numbered like `outputs.hidden_states`) from the
         prefill (`prefill`) or a verification forward; None: none (`needs_target_states` False)."""

@@ -122,8 +122,23 @@ class BlockDrafter(Drafter):
         self.model_time = 0.0
         self.visual_time = 0.0
         self.host_trees = host_trees
+        self._fused = None  # (B, S, hidden) the prefill's fused layers, summed as they come
+        self._prompt_embeds = None
 
     # ---- the loop's steps (`Drafter`)
+
+    fuses_prefill_states = True
+
+    def fuse_prefill_state(self, index: int, state: torch.Tensor) -> None:
+        """One hidden-state entry of the target's prefill, as its forward produces it: a fused layer's states are
+        projected at once and summed into the context (`LaSpecDrafterModel.context_part`), so a long prompt never
+        holds the fused layers' states together; entry 0 (input embeddings) is kept for the visual branch."""
+        with torch.no_grad():
+            if index == 0:
+                self._prompt_embeds = state
+                return
+            projected = self.model.context_part(self.layer_ids.index(index - 1), state)
+            self._fused = projected if self._fused is None else self._fused.add_(projected)
 
     def target_states(self, prefill: bool = False) -> tuple:
         """The fused layers' outputs; in the prefill also the input embeddings when the visual branch is live."""
@@ -131,8 +146,14 @@ class BlockDrafter(Drafter):
         return (0, *indices) if prefill and self.capture is not None else indices
 
     def start(self, prefill: TargetPrefill) -> None:
-        self.prefill(prefill.hidden_states, prefill.slot_valid, prefill.first_token)
-        self.setup_vision(prefill.hidden_states, prefill.cache)
+        if self._fused is not None:  # fused during the prefill (`fuse_prefill_state`)
+            encoded = self.model.encode_context_sum(self._fused)
+            embeds = self._prompt_embeds
+            self._fused = self._prompt_embeds = None
+        else:
+            encoded, embeds = self._encode(prefill.hidden_states), prefill.hidden_states[0]
+        self.prefill(encoded, prefill.slot_valid, prefill.first_token)
+        self.setup_vision(embeds, prefill.cache)
 
     def finish_round(self, verified: VerifiedRound) -> None:
         """Extend the context with the accepted states; pick the next round's visual tokens."""
@@ -169,15 +190,16 @@ class BlockDrafter(Drafter):
         self.capture.keep_prompt_keys = True  # a sliding-window layer's cache keeps its window only
         return self.capture
 
-    def setup_vision(self, hidden_states, cache) -> None:
-        """After the prefill: int8 visual keys, the prompt's input embeddings, round 1's visual tokens."""
+    def setup_vision(self, prompt_embeds, cache) -> None:
+        """After the prefill: int8 visual keys, the prompt's input embeddings `(B, S, H)`, round 1's visual
+        tokens."""
         if self.capture is None:
             return
         start = clock.now()
         keys = self.capture.prompt_keys
         self.capture.keep_prompt_keys, self.capture.prompt_keys = False, {}
         self.visual_store = VisualKeyStore.from_keys({layer: keys[layer] for layer in self.layer_ids}, self.image_mask)
-        self.prompt_embeds = hidden_states[0]  # (B, S, H) input embeddings, image features included
+        self.prompt_embeds = prompt_embeds  # (B, S, H) input embeddings, image features included
         self.visual_time += clock.now() - start
         last = torch.full((self.image_mask.shape[0],), self.image_mask.shape[1] - 1, device=self.image_mask.device)
         self.select_visual(last)  # prompts are left-padded: the last slot is every row's last prompt token
@@ -204,11 +226,11 @@ class BlockDrafter(Drafter):
     def _encode(self, hidden_states) -> torch.Tensor:
         return self.model.encode_context(gather_target_hidden(hidden_states, self.layer_ids))
 
-    def prefill(self, hidden_states, slot_valid: torch.Tensor, first_token: torch.Tensor) -> None:
-        """Context from the target's prefill hidden states; the first generated token is the pending root."""
+    def prefill(self, encoded: torch.Tensor, slot_valid: torch.Tensor, first_token: torch.Tensor) -> None:
+        """Context from the target's prefill states, encoded `(B, S, hidden)` (`encode_context`); the first generated
+        token is the pending root."""
         self.context_valid = slot_valid
         self.context_positions = slot_valid.long().cumsum(-1) - 1
-        encoded = self._encode(hidden_states)  # (B, S, hidden)
         self.context = self.model.context_kv(encoded, self.context_positions)
         last = (slot_valid.long() * torch.arange(1, slot_valid.shape[1] + 1, device=slot_valid.device)).argmax(-1)
         self.previous_state = encoded[torch.arange(encoded.shape[0], device=encoded.device), last]  # last prompt slot

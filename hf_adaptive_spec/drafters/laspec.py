@@ -642,6 +642,18 @@ class LaSpecDrafterModel(PreTrainedModel):
         dtype = self.context_proj.weight.dtype
         return self.context_norm(self.context_proj(target_hidden.to(dtype)))
 
+    def context_part(self, part: int, target_hidden: torch.Tensor) -> torch.Tensor:
+        """`context_proj` of one fused layer's states alone, `(B, C, target_hidden_size)` -> `(B, C, hidden_size)`:
+        the sum over the parts is `context_proj` of their concatenation (up to float rounding), so a long prompt's
+        layers can be fused as they are read (`encode_context_sum`) instead of held until all are there."""
+        width = self.config.target_hidden_size
+        weight = self.context_proj.weight[:, part * width: (part + 1) * width]
+        return F.linear(target_hidden.to(weight.dtype), weight)
+
+    def encode_context_sum(self, projected: torch.Tensor) -> torch.Tensor:
+        """The drafter context from the sum of every part's `context_part` (`encode_context` of the fusion)."""
+        return self.context_norm(projected)
+
     @torch.no_grad()
     def context_kv(self, context: torch.Tensor, context_position_ids: torch.Tensor) -> ContextKV:
         """Every layer's keys/values of an encoded context `(B, C, hidden_size)` at text positions `(B, C)`:
