@@ -173,6 +173,7 @@ def test_cache_on_several_devices_is_compacted_per_device(monkeypatch):
     runner.cache = cache
     runner.slot_valid = torch.ones(batch, prompt, dtype=torch.bool)
     runner.next_position = runner.slot_valid.sum(-1)
+    runner.windows, runner.full_layers = [], list(range(len(cache.layers)))  # full-attention layers only
     keep = torch.tensor([[0, 2], [1, 3]])
     runner.commit(keep, torch.ones_like(keep, dtype=torch.bool))
     expected = torch.cat([keys[:, :, :prompt], keys[:, :, prompt:].gather(2, keep[:, None, :, None].expand(
