@@ -84,6 +84,9 @@ def sample_accept(
     """
     batch, num_nodes, _ = target_probs.shape
     device = target_probs.device
+    if tree.num_levels == 0:  # the pending token alone (a plain step): the next token is drawn from p
+        zeros = torch.zeros(batch, dtype=torch.long, device=device)
+        return zeros[:, None], zeros, torch.multinomial(target_probs[:, 0], 1, generator=generator).squeeze(1)
     children = children_table(tree.parents, tree.valid)  # (B, N, C)
     rows = torch.arange(batch, device=device)
     current = torch.zeros(batch, dtype=torch.long, device=device)

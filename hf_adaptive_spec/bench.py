@@ -267,6 +267,9 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"Unknown strategy {unknown[0]!r} in --strategies; valid: {', '.join(STRATEGIES)}.")
+    if PLAIN in strategies:
+        raise ValueError(f"--strategies {PLAIN}: the bench's {PLAIN!r} method is stock generate, run always; the "
+                         "library's plain mode (spec_strategy='plain') is not a bench method.")
     spec_configs = {}
     for name, config in args.spec_config:
         if name not in strategies:
@@ -301,7 +304,8 @@ def _default_strategies(laspec: bool) -> list:
     """Every registered strategy the drafter kind can serve (block-drafter-only ones need a LaSpec drafter)."""
     from .strategies import STRATEGIES
 
-    return [name for name, cls in STRATEGIES.items() if laspec or not cls.requires_block_drafter]
+    return [name for name, cls in STRATEGIES.items()
+            if (laspec or not cls.requires_block_drafter) and not cls.drafts_nothing]
 
 
 def _check_drafter_options(args, laspec: bool) -> None:

@@ -116,8 +116,9 @@ def _methods(args) -> list:
     from .strategies import STRATEGIES
 
     laspec = args.drafter == UNTRAINED_LASPEC or _is_laspec(args.drafter)
-    names = args.strategies or [name for name, cls in STRATEGIES.items() if laspec or not cls.requires_block_drafter]
-    names = [name for name in names if name != "plain"]
+    names = args.strategies or [name for name, cls in STRATEGIES.items()
+                                if (laspec or not cls.requires_block_drafter) and not cls.drafts_nothing]
+    names = [name for name in names if name != "plain"]  # plain generate runs first, always
     return ["plain"] + list(names)
 
 

@@ -102,14 +102,18 @@ def _generate(self, *args, **kwargs):
     if call is None:
         return _ORIGINALS["generate"](self, *args, **kwargs)
     strategy, source = _setting(self, call, "spec_strategy")
+    drafts_nothing = strategy is not None and get_strategy_class(strategy).drafts_nothing
     # no strategy, or one saved in the model's config while this call gives no drafter: plain generate
-    if strategy is None or (source == "model" and call.get("assistant_model") is None):
+    if strategy is None or (source == "model" and call.get("assistant_model") is None and not drafts_nothing):
         if calibration is not None:
             raise ValueError("spec_calibration is for speculative calls: pass spec_strategy=... and "
                              "assistant_model=....")
         return _ORIGINALS["generate"](self, *args, **kwargs)
-    get_strategy_class(strategy)  # unknown names fail here, listing the valid ones
-    if call.get("assistant_model") is None:
+    if drafts_nothing:  # `plain`: the rounds run on the target alone; generate reaches them through the hook
+        if call.get("assistant_model") is not None:
+            raise ValueError(f"spec_strategy={strategy!r} drafts nothing: leave assistant_model out.")
+        kwargs["assistant_model"] = self
+    elif call.get("assistant_model") is None:
         raise ValueError(f"spec_strategy={strategy!r} needs a drafter: pass assistant_model=... to generate().")
     num_beams, _ = _setting(self, call, "num_beams")
     if num_beams is not None and num_beams > 1:

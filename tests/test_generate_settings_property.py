@@ -3,7 +3,8 @@ logits on every step where a row is still generating.
 
 Each case draws its settings from a fixed seed (so a failure names a reproducible case): logits processors
 (repetition penalty, no-repeat n-grams, bad words, sequence bias, suppressed tokens, renormalisation), stopping
-(several EOS ids, min / max new tokens, a forced EOS), returned scores and logits, on tiny models of several
+(several EOS ids, min / max new tokens, a forced EOS), returned scores and logits, every strategy and the
+drafter-less `plain` mode, on tiny models of several
 families (full attention, sliding windows, GPT-2), batch 1 and 2 with ragged prompts. A sequence that differs
 is accepted only where plain decoding itself is a numerical tie (top-2 gap of its scores under 1e-4 at the
 first differing step), and the failure message names the case otherwise.
@@ -27,7 +28,7 @@ import tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-STRATEGIES = ("chain", "static_tree", "sage", "laspec")
+STRATEGIES = ("chain", "static_tree", "sage", "laspec", "plain")
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt2")
 CASES_PER_FAMILY = 64  # 320 cases per run
 TIE = 1e-4
@@ -140,7 +141,8 @@ def test_random_generate_settings_equal_plain(family):
         name = f"{family} case {case}: {strategy}, batch {batch}, {settings}"
         plain_settings = {**settings, "output_scores": True, "output_logits": True}
         plain = target.generate(**inputs, **plain_settings, return_dict_in_generate=True)
-        out = target.generate(**inputs, **settings, return_dict_in_generate=True, assistant_model=drafter,
+        drafting = {} if strategy == "plain" else {"assistant_model": drafter}
+        out = target.generate(**inputs, **settings, return_dict_in_generate=True, **drafting,
                               spec_strategy=strategy, spec_config=_untimed(strategy))
         prompt_length = inputs["input_ids"].shape[1]
         if not torch.equal(out.sequences, plain.sequences):

@@ -147,3 +147,21 @@ class Drafter:
         """Keep the state of rows `rows` `(B',)` only, in that order (between rounds: finished rows left the
         batch)."""
         raise NotImplementedError
+
+
+class PendingOnly(Drafter):
+    """No drafter: each round's tree is the pending token alone (the `plain` strategy), so each round is a plain
+    decoding step through the loop's forward."""
+
+    def start(self, prefill: TargetPrefill) -> None:
+        self.root = prefill.first_token
+
+    def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
+              committed: tuple | None = None, pricing=None) -> DraftTree:
+        return self.root_tree()
+
+    def finish_round(self, verified: VerifiedRound) -> None:
+        self.root = verified.bonus
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.root = self.root[rows]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from ..compat import check_model
-from .base import Drafter
+from .base import Drafter, PendingOnly
 from .block import BlockDrafter
 from .independent import IndependentDrafter
 from .laspec import LaSpecDrafterModel, attached_for_call, draft_head_cache
@@ -27,6 +27,8 @@ def make_drafter(assistant_model, target, strategy_class, config, scope: context
         config (`StrategyConfig`): its resolved settings.
         scope (`contextlib.ExitStack`): closed when the call ends, normally or by an exception.
     """
+    if strategy_class.drafts_nothing:  # `plain`: rounds of the pending token alone
+        return PendingOnly()
     if not isinstance(assistant_model, LaSpecDrafterModel):
         if strategy_class.requires_block_drafter:
             raise ValueError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import Frontier, Strategy, StrategyConfig
 from .chain import ChainConfig, ChainStrategy
 from .laspec import LaSpecConfig, LaSpecStrategy
+from .plain import PlainConfig, PlainStrategy
 from .sage import SageConfig, SageStrategy
 from .static_tree import StaticTreeConfig, StaticTreeStrategy, default_tree_paths
 
@@ -44,7 +45,7 @@ def resolve_config(name: str, spec_config, device) -> StrategyConfig:
     return spec_config.resolve(device)
 
 
-for _cls in (ChainStrategy, StaticTreeStrategy, SageStrategy, LaSpecStrategy):
+for _cls in (ChainStrategy, StaticTreeStrategy, SageStrategy, LaSpecStrategy, PlainStrategy):
     register_strategy(_cls)
 
 __all__ = [
@@ -54,6 +55,8 @@ __all__ = [
     "Frontier",
     "LaSpecConfig",
     "LaSpecStrategy",
+    "PlainConfig",
+    "PlainStrategy",
     "SageConfig",
     "SageStrategy",
     "StaticTreeConfig",

@@ -202,6 +202,7 @@ class Strategy:
     name: str = ""
     config_class: type = StrategyConfig
     requires_block_drafter: bool = False  # True: only a LaSpecDrafterModel can draft for it
+    drafts_nothing: bool = False  # True: no drafter, each round verifies the pending token alone (`plain`)
     # False: every round must draft (a round that verifies the root alone, when drafting does not pay, would not
     # follow the strategy's per-round state)
     may_pause: bool = True
