@@ -51,6 +51,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import assets
 from .assets import AssetError
+from .locations import ENV_CACHE, default_cache_root
 
 __all__ = [
     "MARKER",
@@ -79,7 +80,6 @@ __all__ = [
 MARKER = ".hf_adaptive_spec_complete.json"
 #: Bumped when the layout of a converted folder changes (forces a rebuild).
 FORMAT_VERSION = 1
-ENV_CACHE = "HF_ADAPTIVE_SPEC_CACHE"
 
 _CHUNK = 8 * 1024 * 1024
 _DTYPE_ALIASES = {
@@ -322,14 +322,6 @@ def _normalize_dtype(dtype) -> str:
     if key not in _DTYPE_ALIASES:
         raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
     return _DTYPE_ALIASES[key]
-
-
-def default_cache_root() -> Path:
-    """``$HF_ADAPTIVE_SPEC_CACHE`` if set, else ``~/.cache/hf_adaptive_spec/models``."""
-    env = os.environ.get(ENV_CACHE)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "hf_adaptive_spec" / "models"
 
 
 def _folder_name(entry: ModelEntry, dtype: str) -> str:

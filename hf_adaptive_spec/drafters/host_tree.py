@@ -13,21 +13,13 @@ checks on random, tied and truncated cases.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
+from ..ops.host import float32
 from ..tree import DraftTree
 
 __all__ = ["budget_tree", "float32", "latest_match"]
 
-_FLOAT32 = struct.Struct("f")
-
-
-def float32(value: float) -> float:
-    """`value` rounded to float32 (a product of two float32 values is exact in a double, so rounding it once
-    gives the float32 product)."""
-    return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
 
 
 class _RowBuilder:

@@ -9,6 +9,8 @@ microseconds. Same arguments and results as `reference.py` (integers and masks, 
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 __all__ = ["ancestor_matrix", "tree_attention_mask", "greedy_accept"]
@@ -85,3 +87,12 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tens
     path_index = (path + [best] * (max_depth + 1 - len(path)))[: max_depth + 1]
     return (torch.tensor([path_index], dtype=torch.long), torch.tensor([depths[best]], dtype=torch.long),
             torch.tensor([choice[best]], dtype=target_choice.dtype))
+
+
+_FLOAT32 = struct.Struct("f")
+
+
+def float32(value: float) -> float:
+    """`value` rounded to float32 (a product of two float32 values is exact in a double, so rounding it once
+    gives the float32 product)."""
+    return _FLOAT32.unpack(_FLOAT32.pack(value))[0]

@@ -32,14 +32,15 @@ class SageConfig(StrategyConfig):
     """Settings of the `sage` strategy. `None` fields take the device default (GPU values are the paper's).
 
     Args:
-        d_min, d_max (`int`): depth range of Eq. 10 (GPU 3, 8; CPU 2, 6).
-        w_min, w_max (`float`): width range of Eq. 11 (GPU 2, 10; CPU 1, 3).
-        n_max (`int`): node budget per tree, root excluded (GPU 64; CPU 8).
+        d_min, d_max (`int`): depth range of Eq. 10 (GPU 3, 8; CPU 2, 20).
+        w_min, w_max (`float`): width range of Eq. 11 (GPU 2, 10; CPU 1, 1: entropy-sized chains).
+        n_max (`int`): node budget per tree, root excluded (GPU 64; CPU 20).
         top_k (`int`): k of the top-k entropy, Eq. 7-9 (10).
-        theta_scale (`float`): expansion threshold theta_l = theta_scale * l / D(alpha) (0.1).
+        theta_scale (`float`): expansion threshold theta_l = theta_scale * l / D(alpha) (GPU 0.1; CPU 0.6).
         expand_rule (`str`): what theta_l is compared with: "cumulative" (the path probability P(y_<=l), the
-            paper's formal condition) or "node" (the node's own drafter probability: keep drafting while the
-            drafter stays sure, which suits a CPU, where every verified token beyond ~3 costs).
+            paper's formal condition; GPU default) or "node" (the node's own drafter probability: keep drafting
+            while the drafter stays sure, which suits a CPU, where every verified token beyond ~3 costs; CPU
+            default).
         alpha_init (`float`): alpha of the first round (0.5).
         alpha_source (`str`): which drafter distribution sets alpha. "previous_root" (the paper's temporal
             reading: the root distribution of the previous round plans this round; GPU default) or
