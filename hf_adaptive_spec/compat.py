@@ -95,7 +95,6 @@ def check_model(model, role: str) -> None:
             f"The {role} {name} keeps recurrent state, which cannot verify a tree through an attention mask; "
             "spec_strategy supports attention-only models."
         )
-    text_config = _text_config(model)
     # (a speculative call of another thread may hold the model switched to the library's sdpa: still "sdpa")
     attn = text_attention(model) or getattr(model.config, "_attn_implementation", None)
     if attn not in SUPPORTED_ATTENTION:

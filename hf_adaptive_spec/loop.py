@@ -286,6 +286,8 @@ class _Decoding:
         compact = (drafter.model,) if drafter.compact_weights else ()
         setup_start = clock.now()
         self.scope.enter_context(cpu_linear.fast_linears(self.model, self.assistant_model, compact=compact))
+        if self.strategy_class.drafts_nothing:  # `plain`: every step is one row per sequence
+            self.scope.enter_context(cpu_linear.single_row_kernel())
         self.stats.time_setup += clock.now() - setup_start
         for verifier in (self.model, drafter.model if drafter.tree_forwards else None):
             self.scope.enter_context(tree_attention(verifier))

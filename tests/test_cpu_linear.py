@@ -274,3 +274,22 @@ def test_generate_compacts_a_laspec_drafter_and_still_equals_plain(monkeypatch):
         assert not any(id(w) in target_weights for w in copies)
         assert any(id(w) in drafter_weights for w in copies) == compact
         assert not any(cpu_linear._COMPACT_KEY in m.__dict__ for m in (*drafter.modules(), *target.modules()))
+
+
+@needs_kernel
+def test_single_row_steps_reach_the_kernel_only_inside_single_row_kernel(calls):
+    """The plain mode's one-row steps run on the kernel inside `single_row_kernel`; elsewhere one row goes to torch
+    (bitwise plain decoding), and the setting ends with its block."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32))
+    x = torch.randn(1, 64)
+    with torch.no_grad(), cpu_linear.fast_linears(model):
+        assert torch.equal(model(x), F.linear(x, model[0].weight, model[0].bias)) and calls() == 0
+        with cpu_linear.single_row_kernel():
+            got = model(x)
+        assert calls() == 1
+        torch.testing.assert_close(got, F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
+        model(x)
+        assert calls() == 1
+    with pytest.raises(ValueError, match="True or False"):
+        cpu_linear.single_row_kernel("yes")

@@ -48,10 +48,10 @@ from torch import nn
 
 from . import scoped, tensor_version
 
-__all__ = ["linear", "fast_linears", "active", "enabled", "available", "use_cpu_kernels", "use_compact_weights",
+__all__ = ["linear", "fast_linears", "active", "enabled", "available", "use_cpu_kernels", "use_compact_weights", "single_row_kernel",
            "compact_linear", "MIN_ROWS", "max_rows"]
 
-MIN_ROWS = 2  # one row is a plain decoding step: torch's gemv, exactly as plain generate
+MIN_ROWS = 2  # one row is a plain decoding step: torch's gemv, exactly as plain generate (`single_row_kernel`)
 # most rows per call, by build (SmolLM2's shapes, 2 cores): AVX-512 24 rows 56 vs 77 ms with MKL, 32 rows 78 vs
 # 65; the AVX2 build (run on the same CPU, against MKL's AVX-512 path) 8 rows 64 vs 93 ms, 16 rows 105 vs 103
 _MAX_ROWS = {"avx512": 24, "avx2": 12}
@@ -70,6 +70,8 @@ _COMPACT_KEY = "bf16_weight"  # where a holder dict keeps its bf16 copy
 # the bf16 copies of the compact layers of this context's `fast_linears` block: id(layer) -> holder dict; made
 # on first use inside the block and dropped with it, never stored on the layers
 _COMPACT_COPIES = contextvars.ContextVar("hf_adaptive_spec_cpu_compact_copies", default=None)
+# fewest rows a routed layer runs on the kernel (1: single-row steps too, for the drafter-less plain mode)
+_MIN_ROWS = contextvars.ContextVar("hf_adaptive_spec_cpu_kernel_min_rows", default=None)
 
 
 def _mode() -> str:
@@ -88,6 +90,15 @@ def use_cpu_kernels(on: bool | str):
     if mode not in _MODES:
         raise ValueError(f"use_cpu_kernels takes True, False or 'auto', got {on!r}.")
     return scoped(_MODE, mode)
+
+
+def single_row_kernel(on: bool = True):
+    """Inside a `with` block, routed layers run one-row inputs on the kernel too (the `plain` strategy: every
+    step is one row per sequence, and the kernel reads each weight row once where torch's one-row product is
+    1.6-2.3x slower on 2 CPU cores). Outside it one row goes to torch, as plain decoding runs it."""
+    if not isinstance(on, bool):
+        raise ValueError(f"single_row_kernel takes True or False, got {on!r}.")
+    return scoped(_MIN_ROWS, 1 if on else None)
 
 
 def use_compact_weights(on: bool):
@@ -273,7 +284,7 @@ def _routed_forward(module: nn.Linear, kernel_linear, most_rows: int, owner: int
         if owner in _COMPACT_MODELS.get():
             holder = _COMPACT_COPIES.get().setdefault(id(module), {})
             return kernel_linear(input, module.weight, module.bias, 1, most_rows, _compact_copy(module.weight, holder))
-        return kernel_linear(input, module.weight, module.bias, MIN_ROWS, most_rows)
+        return kernel_linear(input, module.weight, module.bias, _MIN_ROWS.get() or MIN_ROWS, most_rows)
 
     return forward
 
