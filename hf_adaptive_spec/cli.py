@@ -52,6 +52,13 @@ def cmd_fetch(args) -> int:
     return 0
 
 
+def _drafting(drafter, strategy) -> dict:
+    """`generate`'s drafter argument for `strategy`: none for the drafter-less `plain` mode."""
+    from .strategies import get_strategy_class
+
+    return {} if get_strategy_class(strategy).drafts_nothing else {"assistant_model": drafter}
+
+
 def _warm_up(target, drafter, inputs, strategy, spec_config) -> float:
     """Before a timed comparison: `prepare` (the CPU kernel compiled, the verifier's cost curve measured, both
     once per machine and then cached), then untimed short runs of plain and speculative generate (allocator,
@@ -61,8 +68,8 @@ def _warm_up(target, drafter, inputs, strategy, spec_config) -> float:
     prepared = prepare(target, drafter, strategy, batch_sizes=(inputs["input_ids"].shape[0],),
                        spec_config=spec_config)
     target.generate(**inputs, max_new_tokens=4, do_sample=False)
-    target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=drafter, spec_strategy=strategy,
-                    spec_config=spec_config)
+    target.generate(**inputs, max_new_tokens=4, do_sample=False, **_drafting(drafter, strategy),
+                    spec_strategy=strategy, spec_config=spec_config)
     return sum(profile["seconds"] for profile in prepared["profiles"])
 
 
@@ -76,8 +83,8 @@ def _generate_and_compare(target, drafter, inputs, tokenizer, strategy, spec_con
         print(f"(measured the verifier's cost curve once: {profiled:.1f}s, cached for later runs)\n")
     start = time.perf_counter()
     out = target.generate(
-        **inputs, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter, spec_strategy=strategy,
-        spec_config=spec_config, streamer=streamer, return_dict_in_generate=True,
+        **inputs, max_new_tokens=max_new_tokens, do_sample=False, **_drafting(drafter, strategy),
+        spec_strategy=strategy, spec_config=spec_config, streamer=streamer, return_dict_in_generate=True,
     )
     seconds = time.perf_counter() - start
     plain_seconds = same = None

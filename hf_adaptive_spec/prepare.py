@@ -17,6 +17,7 @@ import torch
 from .cost import measure_cost_curve
 from .drafters.laspec import LaSpecDrafterModel
 from .ops import cpu_linear
+from .strategies import get_strategy_class
 
 __all__ = ["prepare"]
 
@@ -48,6 +49,8 @@ def prepare(model, assistant_model, spec_strategy: str | None = None, batch_size
     start = time.perf_counter()
     kernel = model.device.type == "cpu" and cpu_linear.enabled(wait=True)
     strategy = _strategy_for(assistant_model, spec_strategy)
+    if get_strategy_class(strategy).drafts_nothing:  # `plain`: no cost rule, only the kernel to build
+        return {"kernel": kernel, "seconds": time.perf_counter() - start, "profiles": []}
     config = dict(spec_config or {})
     if strategy in ("sage", "chain"):
         config["verify_cost"] = True

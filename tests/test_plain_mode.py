@@ -92,3 +92,19 @@ def test_plain_mode_sampling_follows_the_target():
     counts = _speculative_counts(target, None, "plain", None)
     assert _chi_square_p_value(counts, _exact_joint(target)) > ALPHA
     assert PROMPT.shape[1] == 5
+
+
+def test_the_command_line_runs_the_plain_mode_without_its_drafter(capsys):
+    """`generate --strategy plain` (and `prepare`) leave the drafter out: the plain mode takes none."""
+    from hf_adaptive_spec import cli
+    from hf_adaptive_spec.prepare import prepare
+
+    model, inputs_of = _model("llama")
+
+    class Digits:
+        def decode(self, ids, **kwargs):
+            return " ".join(str(int(i)) for i in ids)
+
+    assert cli._generate_and_compare(model, model, inputs_of(1), Digits(), "plain", None, 6, compare=True) == 0
+    assert "same output: yes" in capsys.readouterr().out
+    assert prepare(model, model, "plain")["profiles"] == []
