@@ -7,9 +7,10 @@ and the pending root (the target's bonus token, not yet run by the target).
 A round runs `[root, MASK, ...]` once and gets `block_size` next-token
 distributions; the strategy turns them into a tree level by level (every node
 of depth d is offered the top-K of the depth-d distribution, processed with
-its own prefix). The target's verification forward returns its hidden states
-too (`output_hidden_states=True`), so the accepted nodes' states extend the
-context with no extra target pass.
+its own prefix). The target's verification forward also returns the states of
+the layers the drafter fuses (`target_states`), so the accepted nodes' states
+extend the context with no extra target pass; the prefill's are fused as the
+target computes them (`fuse_prefill_state`).
 
 For a VLM with an image, the target's queries at a few layers are captured
 during verification; the query of the last accepted position picks the M
