@@ -75,7 +75,7 @@ def test_registry_lists_strategies():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(spec_strategy="nope"), "valid strategies: chain, laspec, sage, static_tree"),
+        (dict(spec_strategy="nope"), "valid strategies: chain, laspec, plain, sage, static_tree"),
         (dict(spec_strategy="sage", num_beams=2), "beam search"),
         (dict(spec_strategy="sage", num_return_sequences=2, do_sample=False), "num_return_sequences"),
         (dict(spec_strategy="chain", spec_config=SageConfig()), "must be a ChainConfig"),
