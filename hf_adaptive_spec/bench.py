@@ -8,6 +8,7 @@ runs once, INTERLEAVED, in an order rotated per prompt so that machine drift
 spreads over all methods:
 
 - ``plain``: ``target.generate`` greedy, no drafter (the reference output);
+- ``plain_mode``: ``spec_strategy="plain"``, the library's rounds without a drafter (the second baseline);
 - ``stock_default`` / ``stock_best``: stock transformers assisted generation
   with the drafter's default settings, and with `--stock-best-kwargs`;
 - one method per `--strategies` entry: ``generate(..., spec_strategy=name)``;
@@ -55,7 +56,7 @@ import torch
 
 from . import bench_memory, bench_vision, loading
 from .bench_report import _describe, _environment, _jsonable, _now, _print_summary, _write_outputs
-from .bench_stats import PLAIN, STOCK_BEST, STOCK_DEFAULT, aggregate
+from .bench_stats import PLAIN, PLAIN_MODE, STOCK_BEST, STOCK_DEFAULT, aggregate
 from .cost import SpecCalibration
 from .drafters.quantize import quantize_drafter
 from .scenes_vlm import SCENES_VLM
@@ -161,6 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="drafter generation-config settings of the stock_best run "
                       f"(default {json.dumps(DEFAULT_STOCK_BEST)})")
     meth.add_argument("--no-stock", action="store_true", help="skip both stock assisted-generation runs")
+    meth.add_argument("--no-plain-mode", action="store_true",
+                      help=f"skip the {PLAIN_MODE} run (spec_strategy='plain': the library's forward without a "
+                      "drafter, the second baseline: what speculation adds on top of the faster forward)")
 
     runs = parser.add_argument_group("run")
     runs.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -217,7 +221,7 @@ class Method:
     Fields:
         name: ``"plain"``, ``"stock_default"``, ``"stock_best"``, a strategy name or a swept variant
             (``"laspec_m8"``).
-        kind: ``"plain"``, ``"stock"`` or ``"spec"``.
+        kind: ``"plain"``, ``"plain_mode"`` (the library's rounds without a drafter), ``"stock"`` or ``"spec"``.
         spec_config: the strategy's `spec_config` dict (spec only; None = the strategy's defaults).
         drafter_settings: fields set on the drafter's generation config for the call (stock only).
         resolved: the effective settings, for the report.
@@ -277,6 +281,9 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
         spec_configs[name] = {**spec_configs.get(name, {}), **config}
 
     methods = [Method(PLAIN, "plain")]
+    if not getattr(args, "no_plain_mode", False):
+        methods.append(Method(PLAIN_MODE, "plain_mode", strategy="plain",
+                              resolved=_jsonable(dataclasses.asdict(resolve_config("plain", None, device)))))
     if not args.no_stock:
         known = GenerationConfig()
         for key in args.stock_best_kwargs:
@@ -382,11 +389,13 @@ def run_method(method: Method, target, drafter, inputs: dict, max_new_tokens: in
         drafter.generation_config = copy.deepcopy(saved_config)
         for key, value in (method.drafter_settings or {}).items():
             setattr(drafter.generation_config, key, value)
+    elif method.kind == "plain_mode":  # drafts nothing: no assistant_model
+        kwargs.update(spec_strategy="plain")
     elif method.kind == "spec":
         kwargs.update(assistant_model=drafter, spec_strategy=method.strategy, spec_calibration=method.calibration)
         if method.spec_config is not None:
             kwargs["spec_config"] = dict(method.spec_config)
-    elif method.kind != "plain":
+    elif method.kind not in ("plain", "plain_mode"):
         raise ValueError(f"unknown method kind {method.kind!r}")
     device = inputs["input_ids"].device
     try:
@@ -643,7 +652,7 @@ def _record(prompt, inputs, method, result, error, reference, position, tokenize
         alphas = stats.round_values.get("alpha")  # sage: the confidence that shaped each tree
         if alphas:
             record["sage_alphas"] = [float(x) for x in alphas]
-        if prompt.dataset == bench_vision.SCENES:
+        if prompt.dataset == bench_vision.SCENES and method.kind == "spec":
             record.update(_grounded(tokenizer, result.tokens, record["accepted_lengths"]))
     else:  # plain (1 token per forward) and stock (no prefill: every forward verifies)
         record["tau_num"], record["tau_den"] = new_tokens, result.target_forwards

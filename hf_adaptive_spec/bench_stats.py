@@ -1,7 +1,8 @@
 """The benchmark's statistics: pooled metrics per method over the per-prompt records of `hf_adaptive_spec.bench`.
 
 Pure functions over record dicts (``results.json`` rows): `aggregate` groups them overall, per data set and per
-category; each group maps a method to its tokens/s, tau, speedups over plain and the stock runs (ratio of summed
+category; each group maps a method to its tokens/s, tau, speedups over plain, the plain mode (the library's forward
+without a drafter) and the stock runs (ratio of summed
 seconds and geometric mean of per-prompt ratios), acceptance rate, time split and grounded-token acceptance.
 """
 
@@ -13,6 +14,7 @@ from . import bench_vision
 
 __all__ = [
     "PLAIN",
+    "PLAIN_MODE",
     "STOCK_BEST",
     "STOCK_DEFAULT",
     "TIME_PHASES",
@@ -20,6 +22,7 @@ __all__ = [
 ]
 
 PLAIN, STOCK_DEFAULT, STOCK_BEST = "plain", "stock_default", "stock_best"
+PLAIN_MODE = "plain_mode"  # the library's plain mode (spec_strategy="plain"): its forward without a drafter
 TIME_PHASES = ("prefill", "draft", "tree", "verify", "accept", "compact")
 
 
@@ -63,7 +66,8 @@ def _summarize(records: list, method_names: list) -> dict:
             "tau": sum(r["tau_num"] for r in timed) / tau_den if tau_den else None,
             "target_forwards": sum(r["target_forwards"] for r in timed),
         }
-        for label, base in (("plain", PLAIN), ("stock_default", STOCK_DEFAULT), ("stock_best", STOCK_BEST)):
+        for label, base in (("plain", PLAIN), ("plain_mode", PLAIN_MODE), ("stock_default", STOCK_DEFAULT),
+                            ("stock_best", STOCK_BEST)):
             total, geomean, pairs = _ratio_stats(times.get(base, {}), times[name])
             summary[f"speedup_vs_{label}"] = total
             summary[f"speedup_vs_{label}_geomean"] = geomean

@@ -79,7 +79,7 @@ def _run(tmp_path, *extra):
 def test_run_writes_results_and_all_outputs_match(tmp_path):
     results = _run(tmp_path)
     out = tmp_path / "out"
-    methods = ["plain", "stock_default", "stock_best", "chain", "static_tree", "sage"]
+    methods = ["plain", "plain_mode", "stock_default", "stock_best", "chain", "static_tree", "sage"]
     assert list(results["methods"]) == methods
     assert results["exit_code"] == 0 and results["ok"] and results["failures"]["count"] == 0
     records = results["records"]
@@ -320,7 +320,7 @@ def test_laspec_drafter_folder_runs_every_strategy(tmp_path):
     LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=3)).save_pretrained(folder)
     results = _run(tmp_path, "--drafter", str(folder), "--no-stock", "--limit", "1", "--warmup", "0")
     assert results["ok"], results["failures"]
-    assert set(results["methods"]) == {"plain", "chain", "static_tree", "sage", "laspec"}
+    assert set(results["methods"]) == {"plain", "plain_mode", "chain", "static_tree", "sage", "laspec"}
     assert results["models"]["drafter_class"] == "LaSpecDrafterModel"
     assert results["models"]["drafter_datastore"] is None
     from hf_adaptive_spec import TokenDatastore
@@ -481,7 +481,7 @@ def test_image_prompts_on_a_tiny_vlm_with_a_visual_token_sweep(tmp_path):
                        "--visual-tokens", "4", "0", "1", "64", "4", "--limit", "2")
     assert results["ok"], results["failures"]
     swept = ["laspec_m4", "laspec_m0", "laspec_m1", "laspec_m64"]
-    assert list(results["methods"]) == ["plain", "sage", "laspec"] + swept
+    assert list(results["methods"]) == ["plain", "plain_mode", "sage", "laspec"] + swept
     for name, count in zip(swept, (4, 0, 1, 64)):
         method = results["methods"][name]
         assert method["strategy"] == "laspec" and method["visual_tokens"] == count
