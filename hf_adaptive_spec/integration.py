@@ -50,6 +50,8 @@ _ORIGINALS: dict[str, object] = {}
 # this call's raw inputs (generate drops multimodal ones before decoding) and whether to drop spec_config
 _REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_adaptive_spec_request", default=None)
 _CONFIG_FIELDS = ("spec_strategy", "spec_config")
+# set by `prefilled_run`: the next speculative generate call on this thread returns its prefilled run
+_HANDOFF: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_adaptive_spec_handoff", default=False)
 
 
 def _call_arguments(args, kwargs) -> dict | None:
@@ -125,11 +127,31 @@ def _generate(self, *args, **kwargs):
     resolved = resolve_config(strategy, spec_config, self.device)  # bad settings fail before any decoding
     if vocab_size is not None:
         resolved.check_vocab(vocab_size)
-    token = _REQUEST.set({"raw_inputs": dict(kwargs), "drop_spec_config": dropped, "calibration": calibration})
+    handoff = _HANDOFF.get()
+    handoff_token = _HANDOFF.set(False)  # a nested generate call runs as usual
+    token = _REQUEST.set({"raw_inputs": dict(kwargs), "drop_spec_config": dropped, "calibration": calibration,
+                          "handoff": handoff})
     try:
         return _ORIGINALS["generate"](self, *args, **kwargs)
     finally:
         _REQUEST.reset(token)
+        _HANDOFF.reset(handoff_token)
+
+
+def prefilled_run(model, **generate_kwargs):
+    """`model.generate(**generate_kwargs)` (a speculative call: `spec_strategy=...`) up to its first round: returns
+    the prefilled `loop.Decoding` instead of tokens, its scope open (`Decoding.scope`; the caller closes it). A
+    serving engine runs the rounds, joins rows of several such runs into one batch and lets rows leave."""
+    if generate_kwargs.get("spec_strategy") is None:
+        raise ValueError("prefilled_run needs spec_strategy=...")
+    token = _HANDOFF.set(True)
+    try:
+        run = model.generate(**generate_kwargs)
+    finally:
+        _HANDOFF.reset(token)
+    if not hasattr(run, "join"):
+        raise RuntimeError("generate did not reach the speculative loop (the hook is not installed?).")
+    return run
 
 
 def _assisted_decoding(
@@ -159,7 +181,7 @@ def _assisted_decoding(
         self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
         assistant_model=assistant_model, tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
         raw_inputs=request.get("raw_inputs"), synced_gpus=synced_gpus, spec_calibration=request.get("calibration"),
-        **model_kwargs,
+        handoff=bool(request.get("handoff")), **model_kwargs,
     )
 
 

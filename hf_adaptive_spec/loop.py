@@ -26,7 +26,7 @@ from .final_cache import CACHE_FIELD, commit_last_round, returned_cache
 from .lean import use_lean_forward
 from .ops import cpu_linear
 from .placement import execution_device, tensor_parallel
-from .processors import SequenceBuffer, StopChecker, process_logits, row_free
+from .processors import RowProcessors, SequenceBuffer, StopChecker, row_free
 from .retire import RetiredRows
 from .runner import ModelRunner
 from .target_states import StateCapture
@@ -162,27 +162,34 @@ def _validate(model, input_ids, generation_config, streamer, assistant_model, to
 def speculative_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                        streamer=None, assistant_model=None, tokenizer=None, assistant_tokenizer=None,
                        raw_inputs: dict | None = None, synced_gpus: bool = False,
-                       spec_calibration: SpecCalibration | None = None, **model_kwargs):
+                       spec_calibration: SpecCalibration | None = None, handoff: bool = False, **model_kwargs):
     """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
 
     Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
     `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`). `spec_calibration`: what
     the cost rule learned in earlier calls, continued here (`cost.SpecCalibration`); None: from the priors.
+    `handoff`: return the prefilled `Decoding` before its first round instead (a serving engine runs its rounds,
+    joins it to others and closes it).
     """
-    with contextlib.ExitStack() as scope:  # what the call enters (drafter attachment, kernels), closed on any exit
+    scope = contextlib.ExitStack()  # what the call enters (drafter attachment, kernels), closed on any exit
+    with contextlib.ExitStack() as guard:
+        guard.push(scope)  # closed with the call, unless the prefilled run is handed off
         cache = _validate(model, input_ids, generation_config, streamer, assistant_model, tokenizer,
                           assistant_tokenizer, synced_gpus, model_kwargs)
-        run = _Decoding(scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
-                        streamer, assistant_model, model_kwargs, spec_calibration)
+        run = Decoding(scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
+                       streamer, assistant_model, model_kwargs, spec_calibration)
         run.prefill(raw_inputs or {})
         run.start_rounds()
+        if handoff:
+            guard.pop_all()
+            return run
         done = bool(run.finished.all())
         while not done:
             done = run.round()
         return run.finish()
 
 
-class _Decoding:
+class Decoding:
     """One speculative `generate` call: its state, and the loop's steps as methods (prefill, start_rounds, round
     = draft -> trim -> verify -> accept -> commit, finish)."""
 
@@ -209,6 +216,7 @@ class _Decoding:
         self.buffer = SequenceBuffer(input_ids, generation_config.max_length, int(pad) if pad is not None else 0)
         self.stopper = StopChecker(stopping_criteria, generation_config._eos_token_tensor,
                                    generation_config.max_length)
+        self.processors = RowProcessors(logits_processor, self.batch_size, self.device)
         self.finished = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
         self.clock = _Clock()
         self.trace = _RoundTrace(self.batch_size)
@@ -355,22 +363,62 @@ class _Decoding:
         smaller batch."""
         keep, gone = (~self.finished).nonzero().squeeze(1), self.finished.nonzero().squeeze(1)
         self.retired.add(self.rows[gone], gone, self.buffer, self.target)
-        for part in (self.buffer, self.target, self.drafter, self.strategy):
+        self.keep_rows(keep)
+        self.stats.time_compact += self.clock.lap()
+
+    # ---- rows that join and leave between rounds (`_retire`; a serving engine's batch)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Only rows `keep` `(B',)` stay, in that order, in every part of the run (between rounds); the cost rule
+        prices the new batch."""
+        for part in (self.buffer, self.target, self.drafter, self.strategy, self.stopper, self.processors):
             part.keep_rows(keep)
         self.finished, self.first_real, self.rows = self.finished[keep], self.first_real[keep], self.rows[keep]
         self.batch_size = int(keep.shape[0])
+        self._batch_changed()
+
+    def join(self, other: "Decoding") -> None:
+        """The rows of `other` follow this run's (between rounds): `other` is a run of the same target, drafter,
+        strategy and decoding mode, prefilled and handed off before its first round (`speculative_decode(...,
+        handoff=True)`); each row keeps its own limits and logits processors. `other` is spent; its scope stays
+        the caller's to close."""
+        if other.strategy_class is not self.strategy_class or other.do_sample != self.do_sample:
+            raise ValueError("a run joins a batch of the same strategy and decoding mode (greedy or sampling).")
+        if other.model is not self.model or other.assistant_model is not self.assistant_model:
+            raise ValueError("a run joins a batch of the same target and drafter.")
+        for run in (self, other):
+            if run.streamer is not None or run.row_scores is not None or run.row_logits is not None:
+                raise ValueError("a joined run streams through the engine: no streamer, scores or logits.")
+            if not all(row_free(processors) for _, processors in run.processors.groups):
+                raise ValueError("rows with logits processors that keep per-row state cannot join other requests.")
+        if bool(other.finished.any()):
+            raise ValueError("only unfinished rows join a batch.")
+        other_rows = other.batch_size
+        self.buffer.join(other.buffer)
+        self.stopper.join(other.stopper, self.batch_size, other_rows, self.device)
+        self.processors.join(other.processors)
+        self.target.join(other.target)
+        self.drafter.join(other.drafter)
+        self.strategy.join(other.strategy)
+        self.finished = torch.cat([self.finished, other.finished])
+        self.first_real = torch.cat([self.first_real, other.first_real])
+        self.rows = torch.cat([self.rows, other.rows + self.trace.batch_size])
+        self.trace.batch_size += other_rows
+        self.batch_size += other_rows
+        self._batch_changed()
+
+    def _batch_changed(self) -> None:
         if self.cost is not None:
             self.cost.use_profile(self._cost_profile(), self.batch_size)
             if self.pricing is not None:
-                self.pricing.forget_timings()  # drafter forwards of the larger batch
-        self.stats.time_compact += self.clock.lap()
+                self.pricing.forget_timings()  # drafter forwards of the other batch size
 
     def _draft(self, active: torch.Tensor) -> tuple:
         """This round's tree, and whether drafting paused (the tree is the root alone)."""
         drafter, buffer = self.drafter, self.buffer
         # deepest useful draft: the bonus token needs one slot of the remaining budget; a finished row drafts
         # nothing (its tokens are dropped, and nodes of it would weigh in the pricing of drafting and verification)
-        max_depth = (self.generation_config.max_length - buffer.lengths - 1).clamp_min(0)
+        max_depth = (self.stopper.room(buffer) - 1).clamp_min(0)
         max_depth = torch.where(active, max_depth, 0)
         model_time = drafter.model_time
         paused = (drafter.may_pause and self.strategy.may_pause and self.cost is not None
@@ -379,7 +427,7 @@ class _Decoding:
             tree = drafter.root_tree()
             self.stats.paused_rounds += 1
         else:
-            process = self._process_draft if len(self.logits_processor) else None
+            process = self._process_draft if len(self.processors) else None
             tree = drafter.draft(self.strategy, process, max_depth, sample=self.do_sample,
                                  committed=(buffer.ids, buffer.lengths, self.first_real), pricing=self.pricing)
         elapsed = self.clock.lap()
@@ -389,7 +437,7 @@ class _Decoding:
         return tree, paused
 
     def _process_draft(self, logits, paths, depths, valid):
-        return process_logits(self.logits_processor, self.buffer, paths, depths, logits, valid)
+        return self.processors.apply(self.buffer, paths, depths, logits, valid)
 
     def _trim(self, tree, active: torch.Tensor):
         """Verify only what pays for its marginal cost (the cost rule)."""
@@ -416,9 +464,8 @@ class _Decoding:
     def _accept(self, tree, raw: torch.Tensor, active: torch.Tensor, paused: bool) -> "_Accepted":
         """The longest accepted path + bonus per row, appended, streamed and checked for stopping."""
         scores = raw
-        if len(self.logits_processor):
-            scores = process_logits(self.logits_processor, self.buffer, tree.path_tokens(), tree.depths, raw,
-                                    tree.valid)
+        if len(self.processors):
+            scores = self.processors.apply(self.buffer, tree.path_tokens(), tree.depths, raw, tree.valid)
         choice = None
         if self.do_sample:
             path_index, accept_length, bonus = sample_accept(tree, torch.softmax(scores, dim=-1))

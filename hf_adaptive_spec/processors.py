@@ -30,6 +30,7 @@ class SequenceBuffer:
         self.ids[:, :prompt_length] = input_ids
         self.lengths = torch.full((batch,), prompt_length, dtype=torch.long, device=input_ids.device)
         self.prompt_length = prompt_length
+        self.pad_token_id = pad_token_id
 
     def append(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
         """Append the first `counts[b]` of `tokens[b]` `(B, K)` to each row."""
@@ -44,6 +45,14 @@ class SequenceBuffer:
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep rows `rows` `(B',)` only, in that order."""
         self.ids, self.lengths = self.ids[rows], self.lengths[rows]
+
+    def join(self, other: SequenceBuffer) -> None:
+        """`other`'s rows follow this buffer's (a serving batch admits them); the wider capacity is kept. Each row's
+        ids stay as its own call laid them out (`prompt_length` is this buffer's)."""
+        width = max(self.ids.shape[1], other.ids.shape[1])
+        parts = [torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=self.pad_token_id)
+                 for ids in (self.ids, other.ids)]
+        self.ids, self.lengths = torch.cat(parts), torch.cat([self.lengths, other.lengths])
 
     def sequences(self) -> torch.Tensor:
         """`(B, max length)`: the rows, right-filled with the pad token like plain generate's output."""
@@ -134,22 +143,64 @@ def process_logits(processors, buffer: SequenceBuffer, paths, depths, logits, va
 
 
 class StopChecker:
-    """Cuts each row's new tokens exactly where plain generate would have stopped."""
+    """Cuts each row's new tokens exactly where plain generate would have stopped.
 
-    def __init__(self, stopping_criteria, eos_token_id: torch.Tensor | None, max_length: int):
+    `max_length` is one length for the batch, or `(B,)` per row; `eos_token_id` `(E,)` for the batch, or `(B, E)`
+    per row (-1 where a row has fewer): a serving batch joins rows of requests with their own limits (`join`).
+    """
+
+    def __init__(self, stopping_criteria, eos_token_id: torch.Tensor | None, max_length):
         self.criteria = stopping_criteria
         self.eos = eos_token_id
         self.max_length = max_length
         # EOS and max length are handled in bulk; anything else is asked after every single token
         self.per_token = any(not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria)
 
+    def _per_row(self, batch_size: int, device) -> tuple:
+        """`(max_length (B,), eos (B, E))` of this checker's rows."""
+        max_length = self.max_length
+        if not isinstance(max_length, torch.Tensor):
+            max_length = torch.full((batch_size,), int(max_length), dtype=torch.long, device=device)
+        eos = self.eos if self.eos is not None else torch.empty(0, dtype=torch.long, device=device)
+        if eos.dim() < 2:
+            eos = eos.to(device).reshape(1, -1).expand(batch_size, -1)
+        return max_length, eos
+
+    def join(self, other: StopChecker, batch_size: int, other_batch_size: int, device) -> None:
+        """`other`'s rows follow this checker's, each keeping its own limits (EOS and max length only: criteria
+        checked token by token belong to one call)."""
+        if self.per_token or other.per_token:
+            raise ValueError("rows whose stopping criteria are checked token by token (stop strings, custom "
+                             "criteria) cannot join a batch of other requests.")
+        lengths, eos = self._per_row(batch_size, device)
+        other_lengths, other_eos = other._per_row(other_batch_size, device)
+        width = max(eos.shape[1], other_eos.shape[1])
+        eos, other_eos = (torch.nn.functional.pad(e, (0, width - e.shape[1]), value=-1) for e in (eos, other_eos))
+        self.max_length = torch.cat([lengths, other_lengths])
+        self.eos = torch.cat([eos, other_eos])
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep the limits of rows `rows` `(B',)` only (per-row limits; batch-wide ones stay)."""
+        if isinstance(self.max_length, torch.Tensor):
+            self.max_length = self.max_length[rows]
+        if self.eos is not None and self.eos.dim() == 2:
+            self.eos = self.eos[rows]
+
+    def room(self, buffer: SequenceBuffer) -> torch.Tensor:
+        """`(B,)` tokens each row may still append."""
+        return (self.max_length - buffer.lengths).clamp_min(0)
+
     def cut(self, buffer: SequenceBuffer, tokens: torch.Tensor, counts: torch.Tensor):
         """Return `(counts, finished)` for candidate `tokens` `(B, K)` with `counts` `(B,)` real ones."""
-        counts = torch.minimum(counts, (self.max_length - buffer.lengths).clamp_min(0))
+        counts = torch.minimum(counts, self.room(buffer))
         finished = buffer.lengths + counts >= self.max_length
         index = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
         if self.eos is not None:
-            is_eos = torch.isin(tokens, self.eos.to(tokens.device)) & (index < counts[:, None])
+            if self.eos.dim() == 2:  # each row its own EOS ids
+                is_eos = (tokens[:, :, None] == self.eos.to(tokens.device)[:, None, :]).any(-1)
+            else:
+                is_eos = torch.isin(tokens, self.eos.to(tokens.device))
+            is_eos &= index < counts[:, None]
             has_eos = is_eos.any(-1)
             counts = torch.where(has_eos, is_eos.to(torch.int8).argmax(-1) + 1, counts)
             finished |= has_eos
@@ -167,3 +218,42 @@ class StopChecker:
                     counts[row], finished[row] = j, True
                     break
         return counts, finished
+
+
+class RowProcessors:
+    """Logits processors by row. One call's rows share its list; a serving batch whose rows came from different
+    requests applies each request's own list to its rows only (`join`).
+
+    Args:
+        processors (`LogitsProcessorList`): the call's prepared processors.
+        batch_size (`int`): rows of the call.
+        device: where the row masks live.
+    """
+
+    def __init__(self, processors, batch_size: int, device):
+        # (rows (B,) bool, processors) per list that has processors
+        self.groups = [(torch.ones(batch_size, dtype=torch.bool, device=device), processors)] if len(processors) else []
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def apply(self, buffer: SequenceBuffer, paths, depths, logits, valid):
+        """`process_logits` with each group's processors on its rows' queries; other rows' logits unchanged."""
+        for rows, processors in self.groups:
+            logits = process_logits(processors, buffer, paths, depths, logits, valid & rows[:, None])
+        return logits
+
+    def join(self, other: RowProcessors) -> None:
+        """`other`'s rows follow this batch's, with their own processors."""
+        def widen(rows, before, after):
+            return torch.cat([rows.new_zeros(before), rows, rows.new_zeros(after)])
+
+        self.groups = ([(widen(rows, 0, other.batch_size), p) for rows, p in self.groups]
+                       + [(widen(rows, self.batch_size, 0), p) for rows, p in other.groups])
+        self.batch_size += other.batch_size
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        groups = [(mask[rows], processors) for mask, processors in self.groups]
+        self.groups = [(mask, processors) for mask, processors in groups if bool(mask.any())]
+        self.batch_size = int(rows.shape[0])

@@ -31,6 +31,17 @@ from .target_states import StateCapture
 from .windows import attention_layout, to_plain_layers, windowed_slots
 
 
+def left_pad(tensor: torch.Tensor, width: int, dim: int, value=0) -> torch.Tensor:
+    """`tensor` widened to `width` along `dim` by filling `value` before its entries (rows that join a batch are
+    right-aligned to its slots: the columns before a row's own are invalid holes)."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_full(shape, value), tensor], dim=dim)
+
+
 class InPlaceAppend:
     """`update` of one `DynamicLayer` that writes new keys and values into spare slots of a larger buffer.
 
@@ -275,6 +286,49 @@ class ModelRunner:
             group.keep_rows(rows)
         if self.rope_deltas is not None:  # (B,) or (R, B)
             self.rope_deltas = self.rope_deltas[..., rows]
+
+    def join(self, other: ModelRunner) -> None:
+        """`other`'s rows follow this runner's (between rounds: both caches hold committed slots only). Each side is
+        right-aligned to the wider one, layer by layer and windowed layout by layout; the columns before a row's
+        own slots are invalid holes."""
+        if self.has_tail or other.has_tail:
+            raise RuntimeError("runners join between rounds only (a cache holds an uncommitted tail).")
+        if len(self.windows) != len(other.windows) or len(self.cache.layers) != len(other.cache.layers):
+            raise ValueError("runners of different models cannot join.")
+
+        def joined(mine: torch.Tensor, theirs: torch.Tensor, dim: int, value) -> torch.Tensor:
+            width = max(mine.shape[dim], theirs.shape[dim])
+            return torch.cat([left_pad(mine, width, dim, value), left_pad(theirs.to(mine.device), width, dim, value)])
+
+        for layer, other_layer in zip(self.cache.layers, other.cache.layers):
+            layer.keys = joined(layer.keys, other_layer.keys, 2, 0)
+            layer.values = joined(layer.values, other_layer.values, 2, 0)
+        self.slot_valid = joined(self.slot_valid, other.slot_valid, 1, False)
+        for group, other_group in zip(self.windows, other.windows):
+            group.valid = joined(group.valid, other_group.valid, 1, False)
+            group.positions = joined(group.positions, other_group.positions, 1, 0)
+        batch, other_batch = self.next_position.shape[0], other.next_position.shape[0]
+        if self.rope_deltas is not None or other.rope_deltas is not None:
+            template = self.rope_deltas if self.rope_deltas is not None else other.rope_deltas
+            rows = template.shape[:-1]  # () or (R,)
+            mine = self.rope_deltas if self.rope_deltas is not None else template.new_zeros(*rows, batch)
+            theirs = other.rope_deltas if other.rope_deltas is not None else template.new_zeros(*rows, other_batch)
+            self.rope_deltas = torch.cat([mine, theirs.to(mine.device)], dim=-1)
+        self.next_position = torch.cat([self.next_position, other.next_position])
+        other.close()
+
+    def trim(self) -> None:
+        """Drop the leading columns no row holds (between rounds; a serving batch whose oldest rows left): each
+        row's slots stay in order, the cache gets narrower."""
+        if self.has_tail or not self.full_layers or self.slot_valid.shape[0] == 0:
+            return
+        lead = int((~self.slot_valid).long().cumprod(-1).sum(-1).min())  # holes before every row's first slot
+        if lead == 0:
+            return
+        for index in self.full_layers:
+            layer = self.cache.layers[index]
+            layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+        self.slot_valid = self.slot_valid[:, lead:]
 
     def rows_state(self, rows: torch.Tensor) -> tuple:
         """The committed cache and slot layout of rows `rows` `(R,)` (between rounds), for `restore_rows`."""

@@ -126,6 +126,32 @@ class VisualKeyStore:
                               {layer: s[rows][:, :, :width] for layer, s in self.scales.items()},
                               self.positions[rows][:, :width], self.valid[rows][:, :width], counts)
 
+    def join(self, other: VisualKeyStore) -> VisualKeyStore:
+        """The rows of this store, then `other`'s (the same layers), padded to the most visual tokens of any row."""
+        if set(other.quantized) != set(self.quantized):
+            raise ValueError("visual key stores of different layers cannot join.")
+        width = max(self.valid.shape[1], other.valid.shape[1])
+
+        def pad(mine: torch.Tensor, theirs: torch.Tensor, dim: int, value) -> torch.Tensor:
+            parts = []
+            for tensor in (mine, theirs):
+                shape = list(tensor.shape)
+                shape[dim] = width - tensor.shape[dim]
+                parts.append(torch.cat([tensor, tensor.new_full(shape, value)], dim=dim))
+            return torch.cat(parts)
+
+        return VisualKeyStore({layer: pad(q, other.quantized[layer], 2, 0) for layer, q in self.quantized.items()},
+                              {layer: pad(s, other.scales[layer], 2, 0.0) for layer, s in self.scales.items()},
+                              pad(self.positions, other.positions, 1, -1), pad(self.valid, other.valid, 1, False),
+                              self.counts + other.counts)
+
+    def empty(self, batch_size: int) -> VisualKeyStore:
+        """A store of `batch_size` rows without visual tokens, with this store's layers and shapes."""
+        return VisualKeyStore({layer: q.new_zeros(batch_size, *q.shape[1:]) for layer, q in self.quantized.items()},
+                              {layer: s.new_zeros(batch_size, *s.shape[1:]) for layer, s in self.scales.items()},
+                              self.positions.new_full((batch_size, self.positions.shape[1]), -1),
+                              self.valid.new_zeros(batch_size, self.valid.shape[1]), (0,) * batch_size)
+
     def dequantize(self, layer: int) -> torch.Tensor:
         """Float keys `(B, H_kv, T, D)` of `layer` (for inspection and tests)."""
         return self.quantized[layer].float() * self.scales[layer]

@@ -148,6 +148,14 @@ class Drafter:
         batch)."""
         raise NotImplementedError
 
+    def join(self, other: "Drafter") -> None:
+        """The rows of `other` (the same kind of drafter over the same model, started on other prompts, between
+        rounds) follow this drafter's rows (a serving batch admits them)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take rows of another run.")
+
+    def trim(self) -> None:
+        """Drop state no row reads any more (between rounds; after rows left a serving batch)."""
+
 
 class PendingOnly(Drafter):
     """No drafter: each round's tree is the pending token alone (the `plain` strategy), so each round is a plain
@@ -165,3 +173,6 @@ class PendingOnly(Drafter):
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.root = self.root[rows]
+
+    def join(self, other: Drafter) -> None:
+        self.root = torch.cat([self.root, other.root])

@@ -33,7 +33,15 @@ from .host_tree import budget_tree, latest_match
 from .levels import choose_level
 from ..attention import text_attention
 from ..vision import QueryCapture, VisualKeyStore, select_visual_tokens
-from .laspec import LaSpecDrafterModel, gather_target_hidden, spread_to_vocabulary
+from .laspec import ContextKV, LaSpecDrafterModel, gather_target_hidden, spread_to_vocabulary
+from ..runner import left_pad
+
+
+def right_pad(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
+    """`(B, n, ...)` widened to `(B, width, ...)` with `value` after each row's entries."""
+    shape = list(tensor.shape)
+    shape[1] = width - tensor.shape[1]
+    return torch.cat([tensor, tensor.new_full(shape, value)], dim=1) if shape[1] > 0 else tensor
 
 __all__ = ["BlockDrafter", "choose_visual_slots", "image_token_mask"]
 
@@ -171,6 +179,60 @@ class BlockDrafter(Drafter):
                 setattr(self, name, value[rows])
         if self.visual_store is not None:
             self.visual_store = self.visual_store.keep_rows(rows)
+
+    def join(self, other: Drafter) -> None:
+        """`other`'s rows follow (between rounds): contexts right-aligned to the longer one (holes before a row's
+        own slots), visual stores and prompt embeddings padded after a row's own."""
+        if not isinstance(other, BlockDrafter) or other.model is not self.model:
+            raise ValueError("a block drafter joins rows of the same drafter model.")
+        if other.uses_vision and not self.uses_vision:
+            if self.capture is None:  # the queries of every row are captured from now on (the other's capture)
+                self.capture, self.image_mask = other.capture, None
+            self._empty_vision(other)
+        elif self.uses_vision and not other.uses_vision:
+            other._empty_vision(self)
+        context_width = max(self.context.length, other.context.length)
+        self.context = ContextKV(
+            [torch.cat([left_pad(a, context_width, 2), left_pad(b, context_width, 2)])
+             for a, b in zip(self.context.keys, other.context.keys)],
+            [torch.cat([left_pad(a, context_width, 2), left_pad(b, context_width, 2)])
+             for a, b in zip(self.context.values, other.context.values)])
+        self.context_valid = torch.cat([left_pad(self.context_valid, context_width, 1, False),
+                                        left_pad(other.context_valid, context_width, 1, False)])
+        self.context_positions = torch.cat([left_pad(self.context_positions, context_width, 1),
+                                            left_pad(other.context_positions, context_width, 1)])
+        for name in ("previous_state", "root", "root_position"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        if self.uses_vision:
+            self.visual_store = self.visual_store.join(other.visual_store)
+            for name, fill in (("prompt_embeds", 0), ("image_mask", False), ("visual_embeds", 0),
+                               ("visual_valid", False)):
+                mine, theirs = getattr(self, name), getattr(other, name)
+                width = max(mine.shape[1], theirs.shape[1])
+                setattr(self, name, torch.cat([right_pad(mine, width, fill), right_pad(theirs, width, fill)]))
+
+    def _empty_vision(self, like: "BlockDrafter") -> None:
+        """A visual branch with no visual tokens for this drafter's rows, shaped like `like`'s (a text row joining
+        rows with images, or rows with images joining text rows)."""
+        batch = self.root.shape[0]
+        self.visual_store = like.visual_store.empty(batch)
+        hidden = like.prompt_embeds.shape[-1]
+        self.prompt_embeds = like.prompt_embeds.new_zeros(batch, 1, hidden)
+        self.image_mask = torch.zeros(batch, 1, dtype=torch.bool, device=self.root.device)
+        self.visual_embeds = like.visual_embeds.new_zeros(batch, 1, hidden) if like.visual_embeds is not None else None
+        self.visual_valid = torch.zeros(batch, 1, dtype=torch.bool, device=self.root.device)
+        if like.visual_embeds is None:
+            self.visual_embeds = self.visual_valid = None
+
+    def trim(self) -> None:
+        """Drop context columns no row holds (after the oldest rows left a serving batch)."""
+        if self.context_valid.shape[0] == 0:
+            return
+        lead = int((~self.context_valid).long().cumprod(-1).sum(-1).min())
+        if lead:
+            self.context = ContextKV([k[:, :, lead:] for k in self.context.keys],
+                                     [v[:, :, lead:] for v in self.context.values])
+            self.context_valid, self.context_positions = self.context_valid[:, lead:], self.context_positions[:, lead:]
 
     # ---- vision
 

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from ..compat import MULTIMODAL_KEYS, cache_argument, check_cache
-from ..runner import ModelRunner
+from ..runner import ModelRunner, left_pad
 from ..strategies import Frontier
 from ..tree import DraftTree, TreeBuilder
 from .base import Drafter, TargetPrefill, VerifiedRound
@@ -93,6 +93,20 @@ class IndependentDrafter(Drafter):
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.runner.keep_rows(rows)
         self.pending, self.pending_valid = self.pending[rows], self.pending_valid[rows]
+
+    def join(self, other: Drafter) -> None:
+        """`other`'s rows follow (its runner's cache right-aligned to this one's; pending tokens stay
+        right-aligned)."""
+        if not isinstance(other, IndependentDrafter) or other.model is not self.model or self._drafted:
+            raise ValueError("an independent drafter joins rows of the same drafter model, between rounds.")
+        self.runner.join(other.runner)
+        width = max(self.pending.shape[1], other.pending.shape[1])
+        self.pending = torch.cat([left_pad(self.pending, width, 1), left_pad(other.pending, width, 1)])
+        self.pending_valid = torch.cat([left_pad(self.pending_valid, width, 1, False),
+                                        left_pad(other.pending_valid, width, 1, False)])
+
+    def trim(self) -> None:
+        self.runner.trim()
 
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,

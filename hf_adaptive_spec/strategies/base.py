@@ -255,6 +255,14 @@ class Strategy:
             setattr(self, name, getattr(self, name)[rows])
         self.batch_size = rows.shape[0]
 
+    def join(self, other: "Strategy") -> None:
+        """`other`'s rows (the same strategy and settings, another run) follow this batch's rows."""
+        if type(other) is not type(self) or other.config != self.config:
+            raise ValueError("rows join a batch of the same strategy and settings.")
+        for name in self.row_state:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.batch_size += other.batch_size
+
 
 def descending_rank(scores: torch.Tensor) -> torch.Tensor:
     """`(B, X)` position of each entry in its row's descending order (ties: lower index first)."""
