@@ -179,6 +179,9 @@ class BlockDrafter(Drafter):
                 setattr(self, name, value[rows])
         if self.visual_store is not None:
             self.visual_store = self.visual_store.keep_rows(rows)
+            if not any(self.visual_store.counts):  # no row left has an image: the visual branch is off
+                self.visual_store = self.prompt_embeds = self.image_mask = None
+                self.visual_embeds = self.visual_valid = None
 
     def join(self, other: Drafter) -> None:
         """`other`'s rows follow (between rounds): contexts right-aligned to the longer one (holes before a row's
