@@ -1,4 +1,5 @@
-"""The `hf-adaptive-spec` command: fetch, demo, generate, prepare, bench, train-drafter, train-vlm, build-datastore."""
+"""The `hf-adaptive-spec` command: fetch, demo, generate, prepare, serve, loadtest, bench, train-drafter, train-vlm,
+build-datastore."""
 
 from __future__ import annotations
 
@@ -136,6 +137,52 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import torch
+
+    try:
+        from .serving.server import serve
+    except ImportError as error:
+        raise SystemExit(f"serve needs the server's packages ({error.name} is missing): "
+                         "pip install 'hf_adaptive_spec[serve]'")
+    from .serving.engine import Engine
+    from .strategies import get_strategy_class
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    strategy = args.strategy
+    if strategy is None:  # plain without a drafter; laspec for a LaSpec drafter; sage for any other
+        from .loading import is_laspec
+
+        strategy = "plain" if args.drafter is None else "laspec" if is_laspec(args.drafter) else "sage"
+    drafts_nothing = get_strategy_class(strategy).drafts_nothing
+    if drafts_nothing and args.drafter is not None:
+        raise SystemExit(f"--strategy {strategy} drafts nothing: leave --drafter out")
+    if not drafts_nothing and args.drafter is None:
+        raise SystemExit(f"--strategy {strategy} needs --drafter")
+    target, processor = load_model(args.target, args.dtype, option="--target")
+    drafter = None if drafts_nothing else load_drafter(args.drafter, target, args.drafter_int8, args.dtype)
+    spec_config = _spec_config(args.spec_config)
+    if args.prepare:
+        from .prepare import prepare
+
+        prepare(target, drafter, strategy, batch_sizes=sorted({1, args.max_batch}), spec_config=spec_config)
+    engine = Engine(target, drafter, strategy=strategy, spec_config=spec_config, max_batch=args.max_batch,
+                    max_queue=args.max_queue)
+    name = args.served_model_name or args.target
+    print(f"serving {name} (strategy {strategy}{', drafter ' + args.drafter if drafter is not None else ''}) "
+          f"on http://{args.host}:{args.port}/v1", flush=True)
+    return serve(engine, processor, name, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+                 log_level=args.log_level, default_max_tokens=args.default_max_tokens)
+
+
+def cmd_loadtest(args) -> int:
+    try:
+        from .serving import loadgen
+    except ImportError as error:  # pragma: no cover - httpx comes with the serve extra
+        raise SystemExit(f"loadtest needs httpx: pip install 'hf_adaptive_spec[serve]' ({error})")
+    return loadgen.run(args)
+
+
 def _bench(args) -> int:
     from . import bench, cold
 
@@ -198,6 +245,36 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=True)
     prep.add_argument("--threads", type=int, default=None)
     prep.set_defaults(func=cmd_prepare)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server (continuous batching, speculative rounds)")
+    srv.add_argument("--target", required=True, help="registry name or local folder; the served model's name")
+    srv.add_argument("--drafter", default=None, help="registry name, shipped LaSpec drafter or folder (none: plain)")
+    srv.add_argument("--strategy", default=None, choices=sorted(STRATEGIES),
+                     help="default: plain without a drafter, laspec for a LaSpec drafter, else sage")
+    srv.add_argument("--spec-config", default=None, help="strategy settings as JSON")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most")
+    srv.add_argument("--max-queue", type=int, default=32, help="requests waiting at most (then 429)")
+    srv.add_argument("--default-max-tokens", type=int, default=512,
+                     help="new tokens for a request that sets no max_tokens (cut to the context left)")
+    srv.add_argument("--served-model-name", default=None, help="the name clients send (default: --target)")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds requests in flight may run on after SIGTERM (then they end as cancelled)")
+    srv.add_argument("--prepare", action="store_true",
+                     help="compile the CPU kernel and measure the cost curve before listening")
+    srv.add_argument("--dtype", default="float32")
+    srv.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=True,
+                     help="int8-quantize an independent drafter (CPU)")
+    srv.add_argument("--threads", type=int, default=None)
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=cmd_serve)
+
+    load = sub.add_parser("loadtest", help="a bounded load run against a server: latency, TTFT, throughput")
+    from .serving import loadgen as loadgen_module
+
+    loadgen_module.add_arguments(load)
+    load.set_defaults(func=cmd_loadtest)
 
     bench = sub.add_parser("bench", help="benchmark: plain vs stock assisted vs each strategy, on real data")
     from . import bench as bench_module
