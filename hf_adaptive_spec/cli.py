@@ -276,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     loadgen_module.add_arguments(load)
     load.set_defaults(func=cmd_loadtest)
 
+    served = sub.add_parser("bench-served", help="load tests against the real server: speculation off vs fixed "
+                            "structures vs the adaptive rule, Poisson / bursty arrivals at several rates")
+    from . import bench_served
+
+    bench_served.add_arguments(served)
+    served.set_defaults(func=bench_served.run)
+
     bench = sub.add_parser("bench", help="benchmark: plain vs stock assisted vs each strategy, on real data")
     from . import bench as bench_module
 
