@@ -36,8 +36,8 @@ def _report(stats, seconds: float, plain_seconds: float | None, same: bool | Non
 
 def cmd_fetch(args) -> int:
     from .loading import model_names
-    from .models import fetch, list_models
-    from .scenes_vlm import SCENES_VLM, fetch_scenes_vlm
+    from .registry.models import fetch, list_models
+    from .scenes.vlm import SCENES_VLM, fetch_scenes_vlm
 
     names = model_names() if args.all else args.names
     if not names:
@@ -63,7 +63,7 @@ def _warm_up(target, drafter, inputs, strategy, spec_config) -> float:
     """Before a timed comparison: `prepare` (the CPU kernel compiled, the verifier's cost curve measured, both
     once per machine and then cached), then untimed short runs of plain and speculative generate (allocator,
     first-use costs). Returns the seconds `prepare` spent measuring (milliseconds when the curve was cached)."""
-    from .prepare import prepare
+    from .decoding.prepare import prepare
 
     prepared = prepare(target, drafter, strategy, batch_sizes=(inputs["input_ids"].shape[0],),
                        spec_config=spec_config)
@@ -125,7 +125,7 @@ def cmd_generate(args) -> int:
 def cmd_prepare(args) -> int:
     import torch
 
-    from .prepare import prepare
+    from .decoding.prepare import prepare
 
     torch.set_num_threads(args.threads) if args.threads else None
     target, _ = load_model(args.target, args.dtype)
@@ -137,14 +137,15 @@ def cmd_prepare(args) -> int:
 
 
 def _bench(args) -> int:
-    from . import bench, cold
+    from .bench import run as bench
+    from .bench import cold
 
     if args.memory:  # peak memory per method, one process each
-        from . import bench_memory
+        from .bench import memory as bench_memory
 
         return bench_memory.run_memory(args)["exit_code"]
     if args.load_sweep or args.arrivals:  # batched load modes (they refuse --cold)
-        from . import bench_load
+        from .bench import load as bench_load
 
         return bench_load.run_load(args)["exit_code"]
     if args.cold:
@@ -200,12 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=cmd_prepare)
 
     bench = sub.add_parser("bench", help="benchmark: plain vs stock assisted vs each strategy, on real data")
-    from . import bench as bench_module
+    from .bench import run as bench_module
 
     bench_module.add_arguments(bench)
     bench.set_defaults(func=_bench)
 
-    from . import bench_docs
+    from .bench import docs as bench_docs
 
     docs = sub.add_parser("bench-docs", help="regenerate the tables the docs mark from the bench's results.json")
     bench_docs.add_arguments(docs)

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_adaptive_spec import bench, bench_stats, bench_vision, data
-from hf_adaptive_spec.data import Prompt
+from hf_adaptive_spec.bench import run as bench
+from hf_adaptive_spec.bench import stats as bench_stats
+from hf_adaptive_spec.bench import vision as bench_vision
+from hf_adaptive_spec.registry import data
+from hf_adaptive_spec.registry.data import Prompt
 from tiny_models import EOS_ID, IMAGE_ID, PAD_ID, build_drafter, build_model, num_image_tokens
 
 MAX_NEW = 8
@@ -424,7 +427,7 @@ class FakeVLMProcessor:
 def _scene_like_prompts(dataset, limit):
     from PIL import Image
 
-    from hf_adaptive_spec.scenes import DESCRIBE_REQUEST, scene_messages
+    from hf_adaptive_spec.scenes.dataset import DESCRIBE_REQUEST, scene_messages
 
     assert dataset == "scenes"
     colours = [(200, 30, 30), (30, 30, 200), (30, 160, 60)]
@@ -554,8 +557,8 @@ def test_scenes_dataset_on_a_vlm_folder_through_the_default_loaders(tmp_path, tm
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from conftest import fetch_real_smollm2
-    from hf_adaptive_spec import scenes
-    from hf_adaptive_spec.scenes_vlm import IMAGE_TOKEN_ID, build_scenes_vlm
+    from hf_adaptive_spec.scenes import dataset as scenes
+    from hf_adaptive_spec.scenes.vlm import IMAGE_TOKEN_ID, build_scenes_vlm
 
     try:
         scenes._archive()
@@ -597,7 +600,8 @@ def test_bench_docs_regenerates_the_marked_tables_from_results_json(tmp_path):
     the prose around it is kept; --check reports a stale table without changing the file."""
     import shutil
 
-    from hf_adaptive_spec import bench_docs, cli
+    from hf_adaptive_spec import cli
+    from hf_adaptive_spec.bench import docs as bench_docs
 
     source = Path(__file__).parent.parent / "docs/benchmarks/scenes_vlm_2026-12-03b/laspec_sweep/results.json"
     shutil.copy(source, tmp_path / "results.json")
@@ -621,7 +625,8 @@ def test_bench_docs_regenerates_the_marked_tables_from_results_json(tmp_path):
 
 def test_bench_docs_renders_the_load_sweep_tables():
     """`load throughput|tau|sizes` of a `--load-sweep`'s `load_sweep.json` are the tables of its `load_sweep.md`."""
-    from hf_adaptive_spec import bench_docs, bench_load
+    from hf_adaptive_spec.bench import docs as bench_docs
+    from hf_adaptive_spec.bench import load as bench_load
 
     source = Path(__file__).parent.parent / "docs/benchmarks/load_sweep_2026-12-03e/load_sweep.json"
     results = json.loads(source.read_text())
@@ -636,7 +641,8 @@ def test_bench_docs_renders_the_load_sweep_tables():
 
 def test_bench_docs_renders_the_arrivals_table():
     """`arrivals` of an `--arrivals` run's `arrivals.json` is the table of its `arrivals.md`."""
-    from hf_adaptive_spec import bench_docs, bench_load
+    from hf_adaptive_spec.bench import docs as bench_docs
+    from hf_adaptive_spec.bench import load as bench_load
 
     source = Path(__file__).parent.parent / "docs/benchmarks/arrivals_2026-12-03/arrivals.json"
     results = json.loads(source.read_text())

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hf_adaptive_spec import SageConfig, cost
-from hf_adaptive_spec.compat import output_cache
+from hf_adaptive_spec.adapters.compat import output_cache
 from hf_adaptive_spec.cost import AcceptanceCalibrator, CostModel, CostProfile, choose_nodes, choose_prefix, survival
-from hf_adaptive_spec.runner import ModelRunner
-from hf_adaptive_spec.tree import DraftTree
+from hf_adaptive_spec.adapters.runner import ModelRunner
+from hf_adaptive_spec.drafters.tree import DraftTree
 from tiny_models import build_drafter, build_model, make_inputs
 
 
@@ -420,7 +420,8 @@ def test_generate_refines_the_stored_profile(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(cost, "_MEMORY", {})
     slow = CostProfile(sizes=[1, 2, 4, 8, 16], seconds=[5.0, 5.0, 6.0, 7.0, 8.0], key="test|slow")
-    monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: cost._MEMORY.get(slow.key, slow))
+    monkeypatch.setattr("hf_adaptive_spec.decoding.loop.verifier_cost_profile",
+                        lambda runner: cost._MEMORY.get(slow.key, slow))
     target = build_model("llama")
     inputs = make_inputs("llama", batch_size=1)
     expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)

@@ -113,7 +113,8 @@ def test_cold_worker_times_first_calls_and_checks_outputs(monkeypatch, tmp_path)
     import argparse
     from types import SimpleNamespace
 
-    from hf_adaptive_spec import bench, cold
+    from hf_adaptive_spec.bench import run as bench
+    from hf_adaptive_spec.bench import cold
 
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_CACHE", str(tmp_path))
     monkeypatch.setattr(cost, "_MEMORY", {})

@@ -383,12 +383,12 @@ class LaSpecDrafterModel(PreTrainedModel):
         self.__dict__["datastore"] = None  # TokenDatastore or None: saved beside the weights (`datastore.safetensors`)
         self.post_init()
 
-    # ---- datastore (`hf_adaptive_spec.datastore`): saved and loaded with the weights
+    # ---- datastore (`hf_adaptive_spec.drafters.datastore`): saved and loaded with the weights
 
     def set_datastore(self, datastore) -> LaSpecDrafterModel:
         """Carry a [`TokenDatastore`] (or `None`): the `laspec` strategy then adds its proposal to greedy trees, and
         `save_pretrained` writes it as `datastore.safetensors` beside the weights. Returns `self`."""
-        from ..datastore import TokenDatastore
+        from .datastore import TokenDatastore
 
         if datastore is not None and not isinstance(datastore, TokenDatastore):
             raise ValueError(f"set_datastore needs a TokenDatastore or None, got {type(datastore).__name__}.")
@@ -401,7 +401,7 @@ class LaSpecDrafterModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus the datastore (if any) as `datastore.safetensors`; a stale
         datastore file of an earlier save is removed when this drafter has none."""
-        from ..datastore import DATASTORE_FILE
+        from .datastore import DATASTORE_FILE
 
         result = super().save_pretrained(save_directory, *args, **kwargs)
         path = Path(save_directory) / DATASTORE_FILE
@@ -415,7 +415,7 @@ class LaSpecDrafterModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, plus the folder's (or Hub repo's) `datastore.safetensors` when it
         has one (`model.datastore`, else `None`)."""
-        from ..datastore import DATASTORE_FILE, TokenDatastore
+        from .datastore import DATASTORE_FILE, TokenDatastore
 
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         local = Path(str(pretrained_model_name_or_path)).expanduser()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..compat import cache_argument
+from ..adapters.compat import cache_argument
 from ..drafters.laspec import gather_target_hidden
 
 __all__ = ["DrafterExample", "EncodedPrompt", "build_examples", "answer_token_counts", "frequent_tokens", "examples_from_sequences", "load_examples", "save_examples"]
@@ -150,7 +150,7 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
     from transformers import DynamicCache
 
     from ..drafters.block import choose_visual_slots, image_token_mask
-    from ..vision import QueryCapture, VisualKeyStore
+    from ..drafters.vision import QueryCapture, VisualKeyStore
 
     sources = sources if sources is not None else [""] * len(sequences)
     prompt_lengths = prompt_lengths if prompt_lengths is not None else [0] * len(sequences)
@@ -232,7 +232,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
         target: the verifier (causal LM; eval mode).
         tokenizer: its tokenizer (a chat template is used when it has one).
         layer_ids (`list[int]`): target layers the drafter reads (`config.target_layer_ids`).
-        prompts: chat prompts (`hf_adaptive_spec.data.Prompt` or a list of messages); the target answers each
+        prompts: chat prompts (`hf_adaptive_spec.registry.data.Prompt` or a list of messages); the target answers each
             greedily with up to `max_new_tokens` tokens, `batch_size` prompts at a time. A VLM prompt with an
             image comes as an [`EncodedPrompt`] (the processor's output), answered on its own. A prompt whose
             last message is the assistant's is ANSWERED already: that answer (cut to `max_text_tokens` tokens)

@@ -4,7 +4,7 @@
         --out path/to/drafter_folder --generate-dtype bfloat16 --answers-cache answers.json
 
 The target answers each prompt greedily (batched, left-padded); the answers become a
-[`~hf_adaptive_spec.datastore.TokenDatastore`] written as `datastore.safetensors` into a LaSpec drafter folder
+[`~hf_adaptive_spec.drafters.datastore.TokenDatastore`] written as `datastore.safetensors` into a LaSpec drafter folder
 (which `from_pretrained` then loads with the weights) or to a `.safetensors` file. ANSWERED prompt sets
 (`sharegpt_answers`, ...) contribute their own answers' tokens, nothing is generated. Keep the benchmark's
 prompts out (`--data` slices as in `train-drafter`): a store that holds the answers being measured would
@@ -85,7 +85,7 @@ def answer_prompts(model, tokenizer, prompts: list, max_new_tokens: int, batch_s
 
 def run(args) -> int:
     from ..loading import load_model, resolve_path as _resolve_path
-    from ..datastore import DATASTORE_FILE, TokenDatastore
+    from ..drafters.datastore import DATASTORE_FILE, TokenDatastore
     from ..drafters.hub import describe_datastore, is_laspec_folder
     from .cli import _prompts_by_spec
     from .data import is_answered

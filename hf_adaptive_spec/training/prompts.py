@@ -49,7 +49,7 @@ import zipfile
 from pathlib import Path
 
 
-from ..data import HUMANEVAL_INSTRUCTION, DatasetError, Prompt, fetch_package
+from ..registry.data import HUMANEVAL_INSTRUCTION, DatasetError, Prompt, fetch_package
 
 __all__ = ["stdlib_code_prompts", "stdlib_method_prompts", "template_prompts", "doc_prompts", "stdlib_code_solutions",
            "stdlib_method_solutions", "doc_explanations", "shakespeare_prompts", "prose_prompts",
@@ -120,7 +120,7 @@ def _answer_message(source: str, node) -> dict:
 def stdlib_code_prompts(seed: int = 0, answered: bool = False) -> list:
     """HumanEval-style prompts from the documented module-level functions of the standard library.
 
-    Returns a list of [`~hf_adaptive_spec.data.Prompt`] (dataset `"stdlib"`, category `"code"`), shuffled
+    Returns a list of [`~hf_adaptive_spec.registry.data.Prompt`] (dataset `"stdlib"`, category `"code"`), shuffled
     with `seed` so that any slice mixes modules. With `answered`, each prompt ends with the function's real
     source as the assistant's answer (dataset `"stdlib_solutions"`, same ids and order).
     """
@@ -712,7 +712,7 @@ def _shingles(text: str, size: int) -> set:
 
 def _benchmark_shingles(size: int, cache_dir, downloader) -> set:
     """Every run of `size` words of the HumanEval and MT-Bench prompts (all of them, not only the held-out ones)."""
-    from ..data import load_prompts
+    from ..registry.data import load_prompts
 
     shingles = set()
     for dataset in ("humaneval", "mtbench"):
@@ -761,7 +761,7 @@ def sharegpt_answers(seed: int = 0, **kwargs) -> list:
     return sharegpt_prompts(seed, answered=True, **kwargs)
 
 
-#: prompt sets the training CLI knows beyond `hf_adaptive_spec.data`'s benchmark sets
+#: prompt sets the training CLI knows beyond `hf_adaptive_spec.registry.data`'s benchmark sets
 PROMPT_SOURCES = {"stdlib": stdlib_code_prompts, "stdlib_methods": stdlib_method_prompts,
                   "templates": template_prompts, "docs": doc_prompts, "stdlib_solutions": stdlib_code_solutions,
                   "stdlib_method_solutions": stdlib_method_solutions, "doc_explanations": doc_explanations,

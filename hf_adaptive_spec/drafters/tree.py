@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops
+from .. import ops
 
 
 @dataclass
@@ -31,7 +31,7 @@ class DraftTree:
         num_levels: depth of the deepest level present.
         draft_probs: for sampling, `(B, N, V)` the drafter distribution (processors applied) each processed
             node's children were drawn from (zeros for unprocessed nodes); None under greedy decoding.
-        lookup: `(B, N)` for nodes on the context-lookup chain (`hf_adaptive_spec.lookup`), the suffix length
+        lookup: `(B, N)` for nodes on the context-lookup chain (`hf_adaptive_spec.drafters.lookup`), the suffix length
             that found it, else 0; on the chain, `probs` > 0 marks a node the drafter proposed too. None when
             the tree has no lookup branch.
     """

@@ -26,8 +26,8 @@ from .tree import DraftTree
 __all__ = ["MAX_LOOKUP_CODE", "STORE_CODE_OFFSET", "add_chain", "context_lookup", "lookup_code", "store_code"]
 
 #: a lookup node's `DraftTree.lookup` value names its source, the key under which the cost rule learns its
-#: acceptance: context lookup 1..15 (the matched suffix length), datastore lookup (`hf_adaptive_spec.datastore`)
-#: 17..31 (the node's support class, `store_code`)
+#: acceptance: context lookup 1..15 (the matched suffix length), datastore lookup
+#: (`hf_adaptive_spec.drafters.datastore`) 17..31 (the node's support class, `store_code`)
 STORE_CODE_OFFSET = 16
 MAX_LOOKUP_CODE = 2 * STORE_CODE_OFFSET - 1
 

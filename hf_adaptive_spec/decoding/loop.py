@@ -14,23 +14,23 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import clock
-from . import ops
+from .. import clock
+from .. import ops
 from .acceptance import sample_accept
-from .attention import tree_attention
-from .compat import cache_from_kwargs, check_cache, check_model, check_pair
-from .cost import CostModel, DraftPricing, SpecCalibration, verifier_cost_profile
-from .drafters.base import TargetPrefill, VerifiedRound
-from .drafters.factory import make_drafter
+from ..adapters.attention import tree_attention
+from ..adapters.compat import cache_from_kwargs, check_cache, check_model, check_pair
+from ..cost import CostModel, DraftPricing, SpecCalibration, verifier_cost_profile
+from ..drafters.base import TargetPrefill, VerifiedRound
+from ..drafters.factory import make_drafter
 from .final_cache import CACHE_FIELD, commit_last_round, returned_cache
-from .lean import use_lean_forward
-from .ops import cpu_linear
-from .placement import execution_device, tensor_parallel
+from ..adapters.lean import use_lean_forward
+from ..ops import cpu_linear
+from ..adapters.placement import execution_device, tensor_parallel
 from .processors import SequenceBuffer, StopChecker, process_logits, row_free
 from .retire import RetiredRows
-from .runner import ModelRunner
-from .target_states import StateCapture
-from .strategies import get_strategy_class, resolve_config
+from ..adapters.runner import ModelRunner
+from ..adapters.target_states import StateCapture
+from ..strategies import get_strategy_class, resolve_config
 
 
 @dataclass

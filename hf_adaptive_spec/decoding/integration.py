@@ -42,9 +42,9 @@ import inspect
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from .cost import SpecCalibration
+from ..cost import SpecCalibration
 from .loop import speculative_decode
-from .strategies import get_strategy_class, resolve_config
+from ..strategies import get_strategy_class, resolve_config
 
 _ORIGINALS: dict[str, object] = {}
 # this call's raw inputs (generate drops multimodal ones before decoding) and whether to drop spec_config

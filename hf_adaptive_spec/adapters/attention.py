@@ -31,7 +31,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .ops import tensor_version
+from ..ops import tensor_version
 
 __all__ = ["TREE_SDPA", "library_attention_forward", "recording_queries", "register_tree_attention",
            "switched_attention", "text_attention", "tree_attention", "tree_sdpa_attention"]

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from .cost import measure_cost_curve
-from .drafters.laspec import LaSpecDrafterModel
-from .ops import cpu_linear
-from .strategies import get_strategy_class
+from ..cost import measure_cost_curve
+from ..drafters.laspec import LaSpecDrafterModel
+from ..ops import cpu_linear
+from ..strategies import get_strategy_class
 
 __all__ = ["prepare"]
 

@@ -74,9 +74,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import bench, bench_report, bench_stats, bench_vision, loading
-from .cost import SpecCalibration
-from .drafters.quantize import quantize_drafter
+from .. import loading
+from . import run as bench
+from . import report as bench_report
+from . import stats as bench_stats
+from . import vision as bench_vision
+from ..cost import SpecCalibration
+from ..drafters.quantize import quantize_drafter
 
 __all__ = [
     "ARRIVAL_KINDS",
@@ -167,7 +171,7 @@ def load_methods(laspec: bool, adaptive: Sequence[str], spec_configs: Optional[d
     Returns:
         `(methods, skipped)`: a list of `LoadMethod` and `{name: reason}` of the fixed structures left out.
     """
-    from .strategies import default_tree_paths
+    from ..strategies import default_tree_paths
 
     spec_configs = spec_configs or {}
     methods, skipped = [LoadMethod(PLAIN, "plain")], {}
@@ -722,7 +726,7 @@ def fixed_structures(names: Optional[Sequence[str]]) -> tuple:
 
 def _adaptive_strategies(args, laspec: bool) -> list:
     """The adaptive rules to run: `--strategies`, else laspec and sage (LaSpec drafter) or sage."""
-    from .strategies import STRATEGIES
+    from ..strategies import STRATEGIES
 
     names = list(dict.fromkeys(args.strategies or (["laspec", "sage"] if laspec else ["sage"])))
     for name in names:
@@ -740,7 +744,7 @@ def _adaptive_strategies(args, laspec: bool) -> list:
 def _prelude(args, prompt_loader) -> tuple:
     """Check every option before anything loads, set threads and seed; `(device, laspec?, prompts, adaptive,
     spec_configs, levels)`."""
-    from .strategies import resolve_config
+    from ..strategies import resolve_config
 
     levels = _levels(args)
     if not levels and not args.arrivals:
@@ -800,7 +804,7 @@ def _load_models(args, laspec: bool, model_loader) -> tuple:
     target, processor = (model_loader or bench.load_model)(args.target, args, "target")
     tokenizer = bench_vision.text_tokenizer(processor)
     if laspec:  # a LaSpec drafter runs on the target's own states, embedding and LM head
-        from .drafters.hub import load_drafter
+        from ..drafters.hub import load_drafter
 
         drafter = load_drafter(args.drafter, target)
     else:
@@ -813,7 +817,7 @@ def _load_models(args, laspec: bool, model_loader) -> tuple:
 def _prepare(target, drafter, methods: Sequence[LoadMethod], batch_sizes: Sequence[int]) -> dict:
     """The verifier's cost curve at every batch size that will run (`hf_adaptive_spec.prepare`: measured once
     per machine, then read from disk), for each adaptive strategy. A failure is reported, never fatal."""
-    from .prepare import prepare
+    from ..decoding.prepare import prepare
 
     done = {"batch_sizes": sorted(set(batch_sizes)), "strategies": [], "seconds": 0.0, "error": None}
     start = time.perf_counter()

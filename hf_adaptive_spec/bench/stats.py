@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from . import bench_vision
+from . import vision as bench_vision
 
 __all__ = [
     "PLAIN",

@@ -50,8 +50,8 @@ CLASSES = ("grounded", "other")
 # ----------------------------------------------------------------------------
 def scene_prompts(limit: Optional[int] = None) -> list:
     """Held-out scenes (`make_scenes("test", limit)`, default 24) as `Prompt`s asking for their description."""
-    from .data import Prompt
-    from .scenes import DESCRIBE_REQUEST, make_scenes, scene_messages
+    from ..registry.data import Prompt
+    from ..scenes.dataset import DESCRIBE_REQUEST, make_scenes, scene_messages
 
     count = SCENES_DEFAULT_LIMIT if limit is None else limit
     return [Prompt(scene.id, SCENES, SCENES_CATEGORY, scene_messages(DESCRIBE_REQUEST), image=scene.image)

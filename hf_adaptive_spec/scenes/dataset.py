@@ -4,7 +4,7 @@ A scene is a 2x2 grid of four 64x64 easy-vqa images (128x128 pixels, so a vision
 sees 8x8 = 64 visual tokens and each object fills a quarter of them), with a description that names every
 object's colour and shape by position, and questions about single positions::
 
-    from hf_adaptive_spec.scenes import make_scenes
+    from hf_adaptive_spec.scenes.dataset import make_scenes
 
     scene = make_scenes("test", 1)[0]
     scene.image                     # PIL.Image, 128x128 RGB
@@ -55,7 +55,7 @@ SPLITS = ("train", "test")
 
 
 def _archive(cache_dir=None, downloader=None) -> Path:
-    from .data import fetch_package
+    from ..registry.data import fetch_package
 
     package, version, sha256 = EASY_VQA
     return fetch_package(package, version, sha256, cache_dir=cache_dir, downloader=downloader)
@@ -182,7 +182,7 @@ def make_scenes(split: str, count: int, seed: int = 0, start: int = 0, cache_dir
         count: number of scenes.
         seed: selects another sequence of scenes.
         start: index of the first scene (scene `i` is the same whatever `start` and `count` are).
-        cache_dir, downloader: the data cache and downloader of :func:`hf_adaptive_spec.data.fetch_package`.
+        cache_dir, downloader: the data cache and downloader of :func:`hf_adaptive_spec.registry.data.fetch_package`.
 
     Returns:
         list of :class:`Scene`; the four images of one scene are distinct.

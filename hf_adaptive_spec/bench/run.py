@@ -3,7 +3,7 @@
     python -m hf_adaptive_spec.bench --limit 4 --max-new-tokens 128 --out bench_results/
     hf-adaptive-spec bench ...            # the same options
 
-For every prompt of the chosen data sets (`hf_adaptive_spec.data`) every method
+For every prompt of the chosen data sets (`hf_adaptive_spec.registry.data`) every method
 runs once, INTERLEAVED, in an order rotated per prompt so that machine drift
 spreads over all methods:
 
@@ -13,9 +13,9 @@ spreads over all methods:
   with the drafter's default settings, and with `--stock-best-kwargs`;
 - one method per `--strategies` entry: ``generate(..., spec_strategy=name)``;
 - with `--visual-tokens M ...`, one more `laspec` method per M (``laspec_m8``, ...) whose spec_config sets
-  ``num_visual_tokens`` to M (`hf_adaptive_spec.bench_vision`).
+  ``num_visual_tokens`` to M (`hf_adaptive_spec.bench.vision`).
 
-`--datasets scenes` runs held-out scenes (`hf_adaptive_spec.scenes`, image prompts, category ``describe``) on
+`--datasets scenes` runs held-out scenes (`hf_adaptive_spec.scenes.dataset`, image prompts, category ``describe``) on
 a VLM target (``scenes-vlm-135m`` or a local VLM folder); their prompts are encoded by the target's processor,
 and the speculative runs also count accepted drafts among grounded tokens (colours, shapes) and the others.
 
@@ -35,8 +35,8 @@ Outputs in `--out`: ``results.json`` (per-prompt records, aggregates, command,
 environment), ``results.md`` (tables) and PNG plots (matplotlib, optional).
 
 This module holds the command line and the run (methods, models, prompts, timing, per-prompt records); the
-pooled metrics are computed by `hf_adaptive_spec.bench_stats`, the outputs written by
-`hf_adaptive_spec.bench_report`.
+pooled metrics are computed by `hf_adaptive_spec.bench.stats`, the outputs written by
+`hf_adaptive_spec.bench.report`.
 """
 
 from __future__ import annotations
@@ -54,12 +54,14 @@ from typing import Callable, Optional
 
 import torch
 
-from . import bench_memory, bench_vision, loading
-from .bench_report import _describe, _environment, _jsonable, _now, _print_summary, _write_outputs
-from .bench_stats import PLAIN, PLAIN_MODE, STOCK_BEST, STOCK_DEFAULT, aggregate
-from .cost import SpecCalibration
-from .drafters.quantize import quantize_drafter
-from .scenes_vlm import SCENES_VLM
+from .. import loading
+from . import memory as bench_memory
+from . import vision as bench_vision
+from .report import _describe, _environment, _jsonable, _now, _print_summary, _write_outputs
+from .stats import PLAIN, PLAIN_MODE, STOCK_BEST, STOCK_DEFAULT, aggregate
+from ..cost import SpecCalibration
+from ..drafters.quantize import quantize_drafter
+from ..scenes.vlm import SCENES_VLM
 
 __all__ = [
     "DEFAULT_DRAFTER",
@@ -122,12 +124,12 @@ def _json_object(text: str) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the benchmark options to `parser` (used by `main` and by the `hf-adaptive-spec bench` subcommand)."""
-    from . import STRATEGIES
-    from .data import list_datasets
+    from .. import STRATEGIES
+    from ..registry.data import list_datasets
 
     models = parser.add_argument_group("models")
     models.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"registry name (hf_adaptive_spec.models), {SCENES_VLM} or local HF folder "
+                        help=f"registry name (hf_adaptive_spec.registry.models), {SCENES_VLM} or local HF folder "
                         f"(a VLM when its config has a vision_config) (default {DEFAULT_TARGET})")
     models.add_argument("--drafter", default=DEFAULT_DRAFTER,
                         help=f"registry name, shipped LaSpec drafter name (e.g. laspec-smollm2-135m-instruct) "
@@ -175,11 +177,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     runs.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     runs.add_argument("--cold", action="store_true",
                       help="time the first calls of a fresh process instead (one per strategy; no cost curve, no "
-                           "compiled kernel): first speculative call vs plain, third vs warmed (hf_adaptive_spec.cold)")
+                           "compiled kernel): first speculative call vs plain, third vs warmed "
+                           "(hf_adaptive_spec.bench.cold)")
     runs.add_argument("--cold-keep-kernel", action="store_true",
                       help="with --cold: keep the machine's compiled CPU kernel (only the cost curve is fresh)")
 
-    load = parser.add_argument_group("load (hf_adaptive_spec.bench_load: batched prompts instead of one at a time)")
+    load = parser.add_argument_group("load (hf_adaptive_spec.bench.load: batched prompts instead of one at a time)")
     load.add_argument("--load-sweep", nargs="+", type=int, default=None, metavar="B",
                       help="concurrency sweep: at each level B the first B prompts decode as one left-padded batch, "
                       "plain vs fixed chains and trees vs the adaptive rules of --strategies (default laspec and "
@@ -263,7 +266,7 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
     """
     from transformers import GenerationConfig
 
-    from .strategies import STRATEGIES, resolve_config
+    from ..strategies import STRATEGIES, resolve_config
 
     if args.strategies is None:
         args.strategies = _default_strategies(laspec=False)
@@ -309,7 +312,7 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
 
 def _default_strategies(laspec: bool) -> list:
     """Every registered strategy the drafter kind can serve (block-drafter-only ones need a LaSpec drafter)."""
-    from .strategies import STRATEGIES
+    from ..strategies import STRATEGIES
 
     return [name for name, cls in STRATEGIES.items()
             if (laspec or not cls.requires_block_drafter) and not cls.drafts_nothing]
@@ -317,7 +320,7 @@ def _default_strategies(laspec: bool) -> list:
 
 def _check_drafter_options(args, laspec: bool) -> None:
     """Fill the default strategy list for the drafter kind; refuse options that cannot apply to it."""
-    from .strategies import STRATEGIES
+    from ..strategies import STRATEGIES
 
     if args.strategies is None:
         args.strategies = _default_strategies(laspec)
@@ -432,7 +435,7 @@ def load_model(name: str, args, role: str) -> tuple:
 def _default_prompt_loader(dataset: str, limit: Optional[int]) -> list:
     if dataset == bench_vision.SCENES:
         return bench_vision.scene_prompts(limit)
-    from .data import load_prompts
+    from ..registry.data import load_prompts
 
     return load_prompts(dataset, limit=limit)
 
@@ -511,7 +514,7 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
         args: the parsed options.
         model_loader: `(name, args, role) -> (model, processor or tokenizer)`, role "target" or "drafter"
             (default `load_model`).
-        prompt_loader: `(dataset, limit) -> [Prompt]` (default `hf_adaptive_spec.data.load_prompts`; scenes:
+        prompt_loader: `(dataset, limit) -> [Prompt]` (default `hf_adaptive_spec.registry.data.load_prompts`; scenes:
             `bench_vision.scene_prompts`).
 
     Returns:
@@ -522,10 +525,10 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
 
     started = _now()
     if getattr(args, "cold", False):
-        raise ValueError("--cold runs through `hf-adaptive-spec bench --cold` (hf_adaptive_spec.cold.run_cold).")
+        raise ValueError("--cold runs through `hf-adaptive-spec bench --cold` (hf_adaptive_spec.bench.cold.run_cold).")
     if getattr(args, "load_sweep", None) or getattr(args, "arrivals", None):
         raise ValueError("--load-sweep / --arrivals run through `hf-adaptive-spec bench` "
-                         "(hf_adaptive_spec.bench_load.run_load).")
+                         "(hf_adaptive_spec.bench.load.run_load).")
     device, laspec, prompts = _prelude(args, prompt_loader)
     model_loader = model_loader or load_model
 
@@ -533,7 +536,7 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
     target, processor = model_loader(args.target, args, "target")
     tokenizer = bench_vision.text_tokenizer(processor)
     if laspec:  # a LaSpec drafter runs on the target's own states, embedding and LM head
-        from .drafters.hub import load_drafter
+        from ..drafters.hub import load_drafter
 
         drafter = load_drafter(args.drafter, target)
     else:
@@ -618,7 +621,7 @@ def _command_line() -> str:
     argv = list(sys.argv)
     if not argv:
         return ""
-    if Path(argv[0]).resolve() == Path(__file__).resolve():
+    if Path(argv[0]).resolve() in (Path(__file__).resolve(), Path(__file__).with_name("__main__.py").resolve()):
         return shlex.join(["python", "-m", "hf_adaptive_spec.bench"] + argv[1:])
     return shlex.join([Path(argv[0]).name] + argv[1:])
 
@@ -673,7 +676,7 @@ def _record(prompt, inputs, method, result, error, reference, position, tokenize
 def _grounded(tokenizer, tokens: list, accepted_lengths: list) -> dict:
     """``{"grounded": {tokens, accepted}, "other": {...}}`` of a batch-1 speculative run of a scene prompt
     (`bench_vision`), or ``{"grounded_error": reason}`` when its tokens cannot be attributed."""
-    from .scenes import grounded_words
+    from ..scenes.dataset import grounded_words
 
     try:
         accepted = bench_vision.accepted_mask(len(tokens), accepted_lengths)

@@ -23,8 +23,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from . import clock
-from . import ops
+from .. import clock
+from .. import ops
 from .compat import cache_argument
 from .lean import lean_forward
 from .target_states import StateCapture

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import clock
-from . import ops
-from .attention import TREE_SDPA, recording_queries, register_tree_attention, switched_attention
+from .. import clock
+from .. import ops
+from ..adapters.attention import TREE_SDPA, recording_queries, register_tree_attention, switched_attention
 
 __all__ = [
     "CAPTURE_ATTENTION",

@@ -1,6 +1,6 @@
 """The benchmark's reports: the environment description, JSON helpers, the Markdown tables of ``results.md``,
 the printed summary and the PNG plots (matplotlib on an Agg canvas; `save_figures` is shared with
-`hf_adaptive_spec.bench_load`).
+`hf_adaptive_spec.bench.load`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from . import bench_vision
-from .bench_stats import PLAIN, PLAIN_MODE, STOCK_BEST, STOCK_DEFAULT
-from .ops import cpu_linear
+from . import vision as bench_vision
+from .stats import PLAIN, PLAIN_MODE, STOCK_BEST, STOCK_DEFAULT
+from ..ops import cpu_linear
 
 __all__ = [
     "PLOT_FILES",
@@ -71,7 +71,7 @@ def _environment(device: torch.device, started: str) -> dict:
 
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     env = {
         "started": started,

@@ -29,7 +29,7 @@ DEFAULT_PROMPTS = (2048, 8192, 16384)
 
 
 def add_arguments(parser) -> None:
-    group = parser.add_argument_group("memory (hf_adaptive_spec.bench_memory: peak memory per method, one process each)")
+    group = parser.add_argument_group("memory (hf_adaptive_spec.bench.memory: peak memory per method, one process each)")
     group.add_argument("--memory", action="store_true",
                        help="report the peak memory of plain generate and of each strategy on long prompts instead "
                        "of timing them (--drafter untrained-laspec: a fresh LaSpec drafter for any target)")
@@ -48,7 +48,7 @@ def _long_prompt(tokenizer, length: int):
     """`(1, length)` token ids of real prompt text, repeated up to `length`."""
     import torch
 
-    from .data import load_prompts
+    from ..registry.data import load_prompts
 
     text = "\n\n".join(message["content"] for dataset in ("humaneval", "mtbench")
                        for prompt in load_prompts(dataset, limit=40) for message in prompt.messages)
@@ -58,14 +58,14 @@ def _long_prompt(tokenizer, length: int):
 
 
 def _load(spec: dict):
-    from . import loading
+    from .. import loading
 
     target, processor = loading.load_model(spec["target"], spec["dtype"], progress=False)
     if spec["drafter"] == UNTRAINED_LASPEC:
         import torch
 
-        from .drafters.configuration_laspec import LaSpecDrafterConfig
-        from .drafters.laspec import LaSpecDrafterModel
+        from ..drafters.configuration_laspec import LaSpecDrafterConfig
+        from ..drafters.laspec import LaSpecDrafterModel
 
         torch.manual_seed(0)
         drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, num_hidden_layers=1)).eval()
@@ -113,7 +113,7 @@ def _worker(spec: dict) -> dict:
 
 
 def _methods(args) -> list:
-    from .strategies import STRATEGIES
+    from ..strategies import STRATEGIES
 
     laspec = args.drafter == UNTRAINED_LASPEC or _is_laspec(args.drafter)
     names = args.strategies or [name for name, cls in STRATEGIES.items()
@@ -123,7 +123,7 @@ def _methods(args) -> list:
 
 
 def _is_laspec(name: str) -> bool:
-    from .loading import is_laspec
+    from ..loading import is_laspec
 
     return is_laspec(name)
 
@@ -143,7 +143,7 @@ def run_memory(args) -> dict:
             spec = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype, "device": device,
                     "method": method, "prompt_tokens": length, "max_new_tokens": args.max_new_tokens,
                     "threads": args.threads}
-            done = subprocess.run([sys.executable, "-m", "hf_adaptive_spec.bench_memory", json.dumps(spec)],
+            done = subprocess.run([sys.executable, "-m", "hf_adaptive_spec.bench.memory", json.dumps(spec)],
                                   capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
             if done.returncode != 0:
                 record = {"method": method, "prompt_tokens": length, "error": done.stderr.strip()[-2000:]}

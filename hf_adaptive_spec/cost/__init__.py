@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from . import clock
-from .ops import cpu_linear, scoped
-from .ops.host import float32
-from .strategies.base import descending_rank
+from .. import clock
+from ..ops import cpu_linear, scoped
+from ..ops.host import float32
+from ..strategies.base import descending_rank
 
 __all__ = ["AcceptanceCalibrator", "Calibration", "CostModel", "CostProfile", "DraftPricing", "LookupCalibrator",
            "choose_nodes", "choose_prefix",
@@ -136,7 +136,7 @@ def _cost_dir() -> Path:
     """`$HF_ADAPTIVE_SPEC_COST_CACHE` if set, else `_verifier_cost/` in the model cache."""
     if os.environ.get("HF_ADAPTIVE_SPEC_COST_CACHE"):
         return Path(os.environ["HF_ADAPTIVE_SPEC_COST_CACHE"]).expanduser()
-    from .locations import default_cache_root
+    from ..locations import default_cache_root
 
     return default_cache_root() / "_verifier_cost"
 

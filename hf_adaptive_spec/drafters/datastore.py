@@ -1,6 +1,6 @@
 """Datastore lookup: draft tokens retrieved from a corpus of the target's own answers (REST-style retrieval).
 
-Context lookup (`hf_adaptive_spec.lookup`) only finds what the sequence itself
+Context lookup (`hf_adaptive_spec.drafters.lookup`) only finds what the sequence itself
 already said. A small target's answers also repeat each other: the same
 openings, list patterns, transitions and closing lines across requests. A
 `TokenDatastore` holds token sequences (e.g. the target's greedy answers to
