@@ -33,10 +33,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops import tensor_version
 
-__all__ = ["TREE_SDPA", "library_attention_forward", "recording_queries", "register_tree_attention",
+__all__ = ["CAPTURE_ATTENTION", "TREE_SDPA", "library_attention_forward", "recording_queries", "register_tree_attention",
            "switched_attention", "text_attention", "tree_attention", "tree_sdpa_attention"]
 
 TREE_SDPA = "hf_adaptive_spec_tree_sdpa"
+# the implementation a model runs while its queries are captured (`drafters.vision.QueryCapture`): the tree sdpa
+CAPTURE_ATTENTION = TREE_SDPA
 # arguments that change what sdpa_attention_forward computes: calls with any of them set go to it unchanged
 _SPECIAL_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "head_mask", "alibi")
 

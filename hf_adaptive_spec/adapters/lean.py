@@ -36,9 +36,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention import TREE_SDPA
+from .attention import CAPTURE_ATTENTION, TREE_SDPA
 from ..ops import scoped
-from ..drafters.vision import CAPTURE_ATTENTION
 
 __all__ = ["lean_forward", "use_lean_forward", "LeanForward"]
 

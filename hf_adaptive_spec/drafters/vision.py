@@ -30,7 +30,7 @@ import torch
 
 from .. import clock
 from .. import ops
-from ..adapters.attention import TREE_SDPA, recording_queries, register_tree_attention, switched_attention
+from ..adapters.attention import CAPTURE_ATTENTION, recording_queries, register_tree_attention, switched_attention
 
 __all__ = [
     "CAPTURE_ATTENTION",
@@ -39,8 +39,6 @@ __all__ = [
     "QueryCapture",
     "register_capture_attention",
 ]
-
-CAPTURE_ATTENTION = TREE_SDPA  # the implementation a captured model runs (see `attention`)
 
 
 # --------------------------------------------------------------------------- key store
