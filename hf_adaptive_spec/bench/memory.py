@@ -64,7 +64,7 @@ def _load(spec: dict):
     if spec["drafter"] == UNTRAINED_LASPEC:
         import torch
 
-        from ..drafters.configuration_laspec import LaSpecDrafterConfig
+        from ..drafters.laspec import LaSpecDrafterConfig
         from ..drafters.laspec import LaSpecDrafterModel
 
         torch.manual_seed(0)
