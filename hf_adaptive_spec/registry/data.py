@@ -183,7 +183,7 @@ def default_data_root() -> Path:
     env = os.environ.get(ENV_DATA)
     if env:
         return Path(env).expanduser()
-    from .models import default_cache_root
+    from ..locations import default_cache_root
 
     return default_cache_root().parent / "data"
 

@@ -312,7 +312,9 @@ def fetch_scenes_vlm(cache_dir: Optional[Union[str, Path]] = None, progress: boo
     Raises:
         FileNotFoundError: no trained parts are shipped or given.
     """
-    from ..registry.models import _file_lock, default_cache_root, fetch
+    from ..locations import default_cache_root
+    from ..registry.cache import file_lock
+    from ..registry.models import fetch
 
     parts = Path(trained_parts) if trained_parts is not None else SHIPPED
     if not (parts / TRAINED_FILE).is_file():
@@ -334,7 +336,7 @@ def fetch_scenes_vlm(cache_dir: Optional[Union[str, Path]] = None, progress: boo
     if not force and complete():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{SCENES_VLM}.lock"):
+    with file_lock(root / f".{SCENES_VLM}.lock"):
         if not force and complete():
             return final
         language = language_model or fetch(LANGUAGE_MODEL, cache_dir=cache_dir, progress=progress)
