@@ -138,7 +138,7 @@ def test_mismatch_is_a_failure_and_exits_nonzero(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "run_method", corrupt_chain)
     monkeypatch.setattr(bench, "load_model", _tiny_loader)
-    monkeypatch.setattr(bench, "_default_prompt_loader", _fake_prompts)
+    monkeypatch.setattr(bench, "default_prompt_loader", _fake_prompts)
     argv = ["--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path / "out"), "--no-progress", "--no-plots",
             "--warmup", "0", "--no-stock", "--strategies", "chain", "sage", "--limit", "1"]
     assert bench.main(argv) == 1
@@ -575,10 +575,10 @@ def test_scenes_dataset_on_a_vlm_folder_through_the_default_loaders(tmp_path, tm
     model.save_pretrained(tmp_path / "vlm")
     processor.save_pretrained(tmp_path / "vlm")
 
-    prompts = bench._default_prompt_loader("scenes", 2)
+    prompts = bench.default_prompt_loader("scenes", 2)
     assert [p.id for p in prompts] == [s.id for s in scenes.make_scenes("test", 2)]
     assert all(p.dataset == "scenes" and p.category == "describe" and p.image.size == (128, 128) for p in prompts)
-    assert len(bench._default_prompt_loader("scenes", None)) == bench_vision.SCENES_DEFAULT_LIMIT
+    assert len(bench.default_prompt_loader("scenes", None)) == bench_vision.SCENES_DEFAULT_LIMIT
     loaded, loaded_processor = bench.load_model(str(tmp_path / "vlm"), _args(tmp_path), "target")
     assert type(loaded).__name__ == "LlavaForConditionalGeneration" and hasattr(loaded_processor, "image_processor")
     inputs = bench.encode_prompt(loaded_processor, prompts[0].messages, loaded.device, prompts[0].image, loaded.dtype)

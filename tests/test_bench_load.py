@@ -11,6 +11,7 @@ import torch
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel, cli
 from hf_adaptive_spec.bench import run as bench
 from hf_adaptive_spec.bench import load as bench_load
+from hf_adaptive_spec.bench import load_sweep
 from hf_adaptive_spec.registry.data import Prompt
 from tiny_models import EOS_ID, PAD_ID, build_model, make_inputs
 
@@ -175,7 +176,7 @@ def test_repeated_passes_keep_each_methods_fastest(monkeypatch):
         calls.append(method.name)
         return bench_load.BatchRun(run.rows, next(seconds), run.stats)
 
-    monkeypatch.setattr(bench_load, "decode_batch", decode_batch)
+    monkeypatch.setattr(load_sweep, "decode_batch", decode_batch)  # what the sweep runs
     sweep = bench_load.run_load_sweep(models["target"], FakeTokenizer(), models["drafter"], PROMPTS, [1, 2], methods,
                                       MAX_NEW, warmup=0, repeats=2)
     # level 1: order plain, chain2, sage then chain2, sage, plain; level 2 starts one further

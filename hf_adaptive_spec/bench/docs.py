@@ -21,8 +21,8 @@ import json
 import re
 from pathlib import Path
 
-from . import load as bench_load
 from . import vision as bench_vision
+from .load_report import arrivals_table, sweep_tables
 from .report import category_table, method_table
 
 __all__ = ["refresh", "render_table"]
@@ -33,9 +33,9 @@ _BLOCK = re.compile(r"(<!-- bench-table: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!
 def render_table(results: dict, kind: str, dataset: str | None = None) -> list:
     """The Markdown lines of one table of a bench `results.json` (see the module docstring)."""
     if kind == "arrivals":
-        return bench_load.arrivals_table(results)
+        return arrivals_table(results)
     if kind == "load":
-        tables = bench_load.sweep_tables(results)
+        tables = sweep_tables(results)
         if dataset not in tables:
             raise ValueError(f"unknown load table {dataset!r}: valid are {', '.join(tables)}.")
         return tables[dataset]

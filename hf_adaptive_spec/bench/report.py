@@ -39,7 +39,7 @@ PLOT_FILES = {
 # ----------------------------------------------------------------------------
 # Reports
 # ----------------------------------------------------------------------------
-def _now() -> str:
+def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
@@ -66,7 +66,7 @@ def _git_commit() -> Optional[str]:
     return None
 
 
-def _environment(device: torch.device, started: str) -> dict:
+def environment(device: torch.device, started: str) -> dict:
     import importlib.util
 
     import transformers
@@ -96,11 +96,11 @@ def _environment(device: torch.device, started: str) -> dict:
     return env
 
 
-def _jsonable(value):
+def jsonable(value):
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, torch.Tensor):
@@ -110,11 +110,11 @@ def _jsonable(value):
     return repr(value)
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _fmt(value, digits=2, suffix="") -> str:
+def fmt(value, digits=2, suffix="") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
@@ -133,13 +133,13 @@ def method_table(group: dict) -> list:
     ]
     for name, s in group.items():
         split = s.get("time_split") or {}
-        cells = [name, str(s["prompts"]), _fmt(s["tokens_per_s"]), _fmt(s["tau"]),
+        cells = [name, str(s["prompts"]), fmt(s["tokens_per_s"]), fmt(s["tau"]),
                  "1.00x" if name == PLAIN else _speedup_cell(s, "plain"),
                  "1.00x" if name == PLAIN_MODE else _speedup_cell(s, "plain_mode"),
                  _speedup_cell(s, "stock_best") if name != STOCK_BEST else "1.00x",
                  _speedup_cell(s, "stock_default") if name != STOCK_DEFAULT else "1.00x",
-                 _fmt(s.get("acceptance_rate"))]
-        cells += [_fmt(100 * split[p], 0, "%") if split.get(p) is not None else "–"
+                 fmt(s.get("acceptance_rate"))]
+        cells += [fmt(100 * split[p], 0, "%") if split.get(p) is not None else "–"
                   for p in ("draft", "tree", "verify", "accept", "compact")]
         cells.append(f"**FAIL {s['failures']}**" if s["failures"] else "0")
         lines.append("| " + " | ".join(cells) + " |")
@@ -230,7 +230,7 @@ def write_markdown(results: dict, path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
-def _write_outputs(results: dict, records: list, out_dir: Path, plots: bool) -> None:
+def write_outputs(results: dict, records: list, out_dir: Path, plots: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     results["plots"] = write_plots(results, out_dir) if plots else {"files": {}, "skipped": ["--no-plots"]}
     results["files"] = {"json": "results.json", "markdown": "results.md", **results["plots"]["files"]}
@@ -238,7 +238,7 @@ def _write_outputs(results: dict, records: list, out_dir: Path, plots: bool) -> 
     write_markdown(results, out_dir / "results.md")
 
 
-def _print_summary(results: dict, out_dir: Path) -> None:
+def print_summary(results: dict, out_dir: Path) -> None:
     lines = ["", "All data sets:"] + method_table(results["aggregates"]["overall"])
     if results["failures"]["count"]:
         lines.append(f"FAILURES: {results['failures']['count']} runs (see results.md)")
@@ -252,7 +252,7 @@ def _print_summary(results: dict, out_dir: Path) -> None:
 # ----------------------------------------------------------------------------
 # Plots (matplotlib, Agg canvas: no pyplot, no global backend change)
 # ----------------------------------------------------------------------------
-def _figure(width, height):
+def figure(width, height):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -274,7 +274,7 @@ def save_figures(makers: list, out_dir: Path, filenames: dict) -> dict:
         try:
             fig = make()
         except Exception as exc:
-            skipped.append(f"{kind}: {_describe(exc)}")
+            skipped.append(f"{kind}: {describe(exc)}")
             continue
         if fig is None:
             skipped.append(f"{kind}: no data")
@@ -306,7 +306,7 @@ def _plot_speedup(results, records):
     methods = [m for m in results["methods"] if m != PLAIN]
     if not methods or not groups:
         return None
-    fig = _figure(max(7.0, 0.35 * len(groups) * len(methods) + 3.0), 4.2)
+    fig = figure(max(7.0, 0.35 * len(groups) * len(methods) + 3.0), 4.2)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
@@ -331,14 +331,14 @@ def _plot_accepted_lengths(results, records):
     lengths = {m: v for m, v in lengths.items() if v}
     if not lengths:
         return None
-    fig = _figure(3.2 * len(lengths) + 0.6, 3.4)
+    fig = figure(3.2 * len(lengths) + 0.6, 3.4)
     top = max(max(v) for v in lengths.values())
     for i, (method, values) in enumerate(lengths.items()):
         ax = fig.add_subplot(1, len(lengths), i + 1)
         ax.hist(values, bins=[b - 0.5 for b in range(top + 2)], density=True, rwidth=0.85)
         ax.set_xticks(range(top + 1))
         tau = results["aggregates"]["overall"][method]["tau"]
-        ax.set_title(f"{method}: tau {_fmt(tau)}, {len(values)} rounds", fontsize=9)
+        ax.set_title(f"{method}: tau {fmt(tau)}, {len(values)} rounds", fontsize=9)
         ax.set_xlabel("accepted draft tokens per round")
         if i == 0:
             ax.set_ylabel("fraction of rounds")
@@ -349,7 +349,7 @@ def _plot_accepted_lengths(results, records):
 def _plot_visual_sweep(results, records):
     models = results["models"]
     title = f"laspec: acceptance against M\n{Path(models['target']).name} + {Path(models['drafter']).name}"
-    return bench_vision.plot_visual_sweep(results["visual_sweep"], _figure, title)
+    return bench_vision.plot_visual_sweep(results["visual_sweep"], figure, title)
 
 
 def _plot_sage_alpha(results, records):
@@ -362,7 +362,7 @@ def _plot_sage_alpha(results, records):
     jitter = random.Random(0)
     alphas = [a for a, _ in pairs]
     accepted = [n + jitter.uniform(-0.15, 0.15) for _, n in pairs]
-    fig = _figure(5.5, 4.0)
+    fig = figure(5.5, 4.0)
     ax = fig.add_subplot(1, 1, 1)
     ax.scatter(alphas, accepted, s=6, alpha=0.35)
     bins = 10  # mean accepted length per alpha decile

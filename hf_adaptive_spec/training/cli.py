@@ -254,7 +254,7 @@ def initialize_from(drafter, source) -> None:
 
 
 def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> list:
-    from ..bench.run import encode_prompt
+    from ..bench.inputs import encode_prompt
 
     from .data import EncodedPrompt
 
