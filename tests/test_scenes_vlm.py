@@ -329,18 +329,18 @@ def test_speculative_decoding_on_the_scenes_vlm_equals_plain_greedy(tiny_vlm, ti
 
 def test_train_drafter_data_spec_scenes_encodes_train_scenes_for_the_target(tiny_vlm):
     from hf_adaptive_spec.scenes.vlm import IMAGE_TOKEN_ID
-    from hf_adaptive_spec.training.cli import _prompts_by_spec
+    from hf_adaptive_spec.training.cli import prompts_by_spec
 
     _, processor = tiny_vlm
-    [(spec, prompts)] = _prompts_by_spec(["scenes[2:5]"], processor=processor)
+    [(spec, prompts)] = prompts_by_spec(["scenes[2:5]"], processor=processor)
     assert spec == "scenes[2:5]" and [p.id for p in prompts] == [s.id for s in make_scenes("train", 3, start=2)]
     for prompt in prompts:
         assert prompt.inputs["pixel_values"].shape == (1, 3, 128, 128)
         assert int((prompt.inputs["input_ids"] == IMAGE_TOKEN_ID).sum()) == 64
     with pytest.raises(ValueError, match="END"):
-        _prompts_by_spec(["scenes[2:]"], processor=processor)
+        prompts_by_spec(["scenes[2:]"], processor=processor)
     with pytest.raises(ValueError, match="image processor"):
-        _prompts_by_spec(["scenes[:2]"], processor=processor.tokenizer)
+        prompts_by_spec(["scenes[:2]"], processor=processor.tokenizer)
 
 
 def test_the_shipped_scenes_vlm_reads_held_out_scenes_and_decodes_exactly(tmp_path_factory, easy_vqa_archive):

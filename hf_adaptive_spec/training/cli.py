@@ -176,7 +176,7 @@ def scene_prompts(part: slice, processor, seed: int = 0) -> list:
             for scene in make_scenes("train", max(0, part.stop - start), seed=seed, start=start)]
 
 
-def _prompts_by_spec(specs: list, seed: int = 0, processor=None) -> list:
+def prompts_by_spec(specs: list, seed: int = 0, processor=None) -> list:
     """`[(spec, its prompts), ...]` for `--data` specs; a ValueError when none selects a prompt. `scenes[...]`
     needs the target's `processor`."""
     from ..registry.data import load_prompts
@@ -196,7 +196,7 @@ def _prompts_by_spec(specs: list, seed: int = 0, processor=None) -> list:
 
 
 def _prompts(specs: list, seed: int = 0) -> list:
-    return [prompt for _, prompts in _prompts_by_spec(specs, seed) for prompt in prompts]
+    return [prompt for _, prompts in prompts_by_spec(specs, seed) for prompt in prompts]
 
 
 def prompts_file(path) -> list:
@@ -360,7 +360,7 @@ def save_drafter_folder(drafter, out, train_examples: list, eval_examples: list,
 
 def _data_description(args, by_spec: list) -> str:
     """The model card's data line: which `--data` sets the target answered and which came answered (their own
-    real answers, teacher-forced), as given on the command line (`by_spec`: [`_prompts_by_spec`])."""
+    real answers, teacher-forced), as given on the command line (`by_spec`: [`prompts_by_spec`])."""
     from .data import MAX_TEXT_TOKENS, is_answered
 
     generated, answered = [], []
@@ -407,7 +407,7 @@ def run(args) -> int:
                                                     target_model_name=args.target)
     cache = Path(args.data_cache) if args.data_cache else None
     generate_dtype = None if args.generate_dtype == "same" else getattr(torch, args.generate_dtype)
-    by_spec = _prompts_by_spec(args.data, seed=args.seed, processor=processor)
+    by_spec = prompts_by_spec(args.data, seed=args.seed, processor=processor)
     prompts = [prompt for _, selected in by_spec for prompt in selected]
     if args.prompts:
         prompts += prompts_file(args.prompts)
