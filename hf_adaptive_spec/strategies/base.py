@@ -217,7 +217,7 @@ class Strategy:
 
     @property
     def cost_aware(self) -> bool:
-        """True if the loop should trim each drafted tree with the verifier cost model (`cost.py`) before
+        """True if the loop should trim each drafted tree with the verifier cost model (`cost/`) before
         verifying it. Greedy decoding only: under sampling, dropping a drawn node for its own value would bias
         the draws."""
         return bool(getattr(self.config, "verify_cost", False))
