@@ -6,7 +6,7 @@ output equals plain greedy output; the settings only change speed.
 
 By default this runs on a small random Llama pair (a 4-layer target and its first 2 layers as the drafter),
 so it finishes in seconds anywhere; `--real` uses the Qwen2.5-Coder 1.5B/0.5B pair from the offline
-registry (`hf_adaptive_spec.models`).
+registry (`hf_adaptive_spec.registry.models`).
 
     python examples/custom_strategy_settings.py [--real] [--max-new-tokens 48]
 """
@@ -43,7 +43,7 @@ def random_pair():
 
 
 def real_pair():
-    from hf_adaptive_spec.models import load
+    from hf_adaptive_spec.registry.models import load
 
     target, tokenizer = load("qwen2.5-coder-1.5b-instruct")
     drafter, _ = load("qwen2.5-coder-0.5b-instruct")

@@ -17,7 +17,7 @@ import torch
 
 import hf_adaptive_spec
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel, load_drafter
-from hf_adaptive_spec.models import load
+from hf_adaptive_spec.registry.models import load
 
 PROMPT = "Write a Python function `is_palindrome(s)` that ignores case and punctuation."
 

@@ -2,7 +2,7 @@
 
 Streams the speculative answer with `TextStreamer`, then runs plain greedy `generate` on the same prompt,
 checks both outputs are identical and prints tau (tokens per target forward) and the speed-up. The models
-come from the offline registry (`hf_adaptive_spec.models`: converted once from GGUF wheels on PyPI, then
+come from the offline registry (`hf_adaptive_spec.registry.models`: converted once from GGUF wheels on PyPI, then
 loaded from the cache in seconds). A single run is a demo, not a measurement: for numbers use
 `python -m hf_adaptive_spec.bench` (warm-up, interleaving, many prompts).
 
@@ -17,7 +17,7 @@ from transformers import TextStreamer
 
 import hf_adaptive_spec  # noqa: F401  (adds spec_strategy / spec_config to generate)
 from hf_adaptive_spec import SageConfig
-from hf_adaptive_spec.models import load
+from hf_adaptive_spec.registry.models import load
 
 PROMPT = "Write a Python function `fibonacci(n)` that returns the n-th Fibonacci number iteratively."
 

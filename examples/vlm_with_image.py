@@ -2,7 +2,7 @@
 
 The target is `scenes-vlm-135m`: the real SmolLM2-135M-Instruct with a vision tower, a projector and low-rank
 updates of its layers this library trained (`hf-adaptive-spec train-vlm`) on scenes of four coloured shapes
-(`hf_adaptive_spec.scenes`, from the `easy-vqa` package). It is assembled offline from the registry's SmolLM2
+(`hf_adaptive_spec.scenes.dataset`, from the `easy-vqa` package). It is assembled offline from the registry's SmolLM2
 and the shipped trained parts on first use.
 The scene shown here is built from easy-vqa's TEST images, which training never saw.
 
@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 import hf_adaptive_spec
 from hf_adaptive_spec.drafters.hub import load_drafter
-from hf_adaptive_spec.models import fetch
-from hf_adaptive_spec.scenes import DESCRIBE_REQUEST, make_scenes, scene_messages
-from hf_adaptive_spec.scenes_vlm import fetch_scenes_vlm
+from hf_adaptive_spec.registry.models import fetch
+from hf_adaptive_spec.scenes.dataset import DESCRIBE_REQUEST, make_scenes, scene_messages
+from hf_adaptive_spec.scenes.vlm import fetch_scenes_vlm
 
 
 def main():

@@ -9,12 +9,12 @@ Without `spec_strategy`, `generate` is stock transformers.
 from .drafters.laspec import LaSpecDrafterConfig, LaSpecDrafterModel, LaSpecDrafterOutput, register_auto_classes
 from .drafters.hub import list_drafters, load_drafter, push_drafter_to_hub
 from .cost import CostProfile, SpecCalibration
-from .datastore import TokenDatastore
+from .drafters.datastore import TokenDatastore
 from .drafters.quantize import quantize_drafter
-from .integration import install, is_installed, uninstall
-from .loop import SpecGenerateOutput, SpecStats
-from .prepare import prepare
-from .vision import QueryCapture, VisualKeyStore, select_visual_tokens
+from .decoding.integration import install, is_installed, uninstall
+from .decoding.loop import SpecGenerateOutput, SpecStats
+from .decoding.prepare import prepare
+from .drafters.vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .strategies import (
     STRATEGIES,
     ChainConfig,

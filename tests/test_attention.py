@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_adaptive_spec import attention
-from hf_adaptive_spec.attention import TREE_SDPA, tree_attention, tree_sdpa_attention
+from hf_adaptive_spec.adapters import attention
+from hf_adaptive_spec.adapters.attention import TREE_SDPA, tree_attention, tree_sdpa_attention
 from tiny_models import build_drafter, build_model, make_inputs
 
 
@@ -103,7 +103,7 @@ def test_tree_attention_leaves_other_implementations_alone():
 
 
 def test_the_folded_mask_is_shared_only_by_the_same_unmodified_mask():
-    from hf_adaptive_spec.attention import _folded_mask
+    from hf_adaptive_spec.adapters.attention import _folded_mask
 
     mask = torch.zeros(1, 1, 3, 7)
     mask[..., 5:] = float("-inf")
@@ -120,7 +120,7 @@ def test_the_folded_mask_is_shared_only_by_the_same_unmodified_mask():
 
 
 def test_tree_attention_drops_the_folded_mask_on_exit():
-    from hf_adaptive_spec import attention
+    from hf_adaptive_spec.adapters import attention
 
     model = build_model("llama")
     with attention.tree_attention(model):

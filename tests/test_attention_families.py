@@ -11,8 +11,8 @@ from transformers import Qwen3NextConfig
 
 import hf_adaptive_spec
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
-from hf_adaptive_spec import windows as windows_module
-from hf_adaptive_spec.compat import check_model
+from hf_adaptive_spec.adapters import windows as windows_module
+from hf_adaptive_spec.adapters.compat import check_model
 from hf_adaptive_spec.drafters.independent import IndependentDrafter
 import tiny_families as tf_
 from test_tree_forward import PARENTS, _path
@@ -203,7 +203,7 @@ def test_returned_cache_has_plains_layers_after_a_long_prompt(family):
 def test_windowed_layers_hold_plains_window_during_rounds(family, monkeypatch):
     """After every commit a windowed layer holds at most plain's `window - 1` slots plus the slack, whatever the
     holes rows of different acceptance leave (batch 2, a drafter that is often wrong)."""
-    from hf_adaptive_spec.runner import ModelRunner
+    from hf_adaptive_spec.adapters.runner import ModelRunner
 
     target = _model(family)
     drafter = tf_.drafter(family, target, "small")

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_adaptive_spec import bench, bench_stats, bench_vision, data
-from hf_adaptive_spec.data import Prompt
+from hf_adaptive_spec.bench import run as bench
+from hf_adaptive_spec.bench import stats as bench_stats
+from hf_adaptive_spec.bench import vision as bench_vision
+from hf_adaptive_spec.registry import data
+from hf_adaptive_spec.registry.data import Prompt
 from tiny_models import EOS_ID, IMAGE_ID, PAD_ID, build_drafter, build_model, num_image_tokens
 
 MAX_NEW = 8
@@ -135,7 +138,7 @@ def test_mismatch_is_a_failure_and_exits_nonzero(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "run_method", corrupt_chain)
     monkeypatch.setattr(bench, "load_model", _tiny_loader)
-    monkeypatch.setattr(bench, "_default_prompt_loader", _fake_prompts)
+    monkeypatch.setattr(bench, "default_prompt_loader", _fake_prompts)
     argv = ["--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path / "out"), "--no-progress", "--no-plots",
             "--warmup", "0", "--no-stock", "--strategies", "chain", "sage", "--limit", "1"]
     assert bench.main(argv) == 1
@@ -424,7 +427,7 @@ class FakeVLMProcessor:
 def _scene_like_prompts(dataset, limit):
     from PIL import Image
 
-    from hf_adaptive_spec.scenes import DESCRIBE_REQUEST, scene_messages
+    from hf_adaptive_spec.scenes.dataset import DESCRIBE_REQUEST, scene_messages
 
     assert dataset == "scenes"
     colours = [(200, 30, 30), (30, 30, 200), (30, 160, 60)]
@@ -554,8 +557,8 @@ def test_scenes_dataset_on_a_vlm_folder_through_the_default_loaders(tmp_path, tm
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from conftest import fetch_real_smollm2
-    from hf_adaptive_spec import scenes
-    from hf_adaptive_spec.scenes_vlm import IMAGE_TOKEN_ID, build_scenes_vlm
+    from hf_adaptive_spec.scenes import dataset as scenes
+    from hf_adaptive_spec.scenes.vlm import IMAGE_TOKEN_ID, build_scenes_vlm
 
     try:
         scenes._archive()
@@ -572,10 +575,10 @@ def test_scenes_dataset_on_a_vlm_folder_through_the_default_loaders(tmp_path, tm
     model.save_pretrained(tmp_path / "vlm")
     processor.save_pretrained(tmp_path / "vlm")
 
-    prompts = bench._default_prompt_loader("scenes", 2)
+    prompts = bench.default_prompt_loader("scenes", 2)
     assert [p.id for p in prompts] == [s.id for s in scenes.make_scenes("test", 2)]
     assert all(p.dataset == "scenes" and p.category == "describe" and p.image.size == (128, 128) for p in prompts)
-    assert len(bench._default_prompt_loader("scenes", None)) == bench_vision.SCENES_DEFAULT_LIMIT
+    assert len(bench.default_prompt_loader("scenes", None)) == bench_vision.SCENES_DEFAULT_LIMIT
     loaded, loaded_processor = bench.load_model(str(tmp_path / "vlm"), _args(tmp_path), "target")
     assert type(loaded).__name__ == "LlavaForConditionalGeneration" and hasattr(loaded_processor, "image_processor")
     inputs = bench.encode_prompt(loaded_processor, prompts[0].messages, loaded.device, prompts[0].image, loaded.dtype)
@@ -597,7 +600,8 @@ def test_bench_docs_regenerates_the_marked_tables_from_results_json(tmp_path):
     the prose around it is kept; --check reports a stale table without changing the file."""
     import shutil
 
-    from hf_adaptive_spec import bench_docs, cli
+    from hf_adaptive_spec import cli
+    from hf_adaptive_spec.bench import docs as bench_docs
 
     source = Path(__file__).parent.parent / "docs/benchmarks/scenes_vlm_2026-12-03b/laspec_sweep/results.json"
     shutil.copy(source, tmp_path / "results.json")
@@ -621,7 +625,8 @@ def test_bench_docs_regenerates_the_marked_tables_from_results_json(tmp_path):
 
 def test_bench_docs_renders_the_load_sweep_tables():
     """`load throughput|tau|sizes` of a `--load-sweep`'s `load_sweep.json` are the tables of its `load_sweep.md`."""
-    from hf_adaptive_spec import bench_docs, bench_load
+    from hf_adaptive_spec.bench import docs as bench_docs
+    from hf_adaptive_spec.bench import load as bench_load
 
     source = Path(__file__).parent.parent / "docs/benchmarks/load_sweep_2026-12-03e/load_sweep.json"
     results = json.loads(source.read_text())
@@ -636,7 +641,8 @@ def test_bench_docs_renders_the_load_sweep_tables():
 
 def test_bench_docs_renders_the_arrivals_table():
     """`arrivals` of an `--arrivals` run's `arrivals.json` is the table of its `arrivals.md`."""
-    from hf_adaptive_spec import bench_docs, bench_load
+    from hf_adaptive_spec.bench import docs as bench_docs
+    from hf_adaptive_spec.bench import load as bench_load
 
     source = Path(__file__).parent.parent / "docs/benchmarks/arrivals_2026-12-03/arrivals.json"
     results = json.loads(source.read_text())

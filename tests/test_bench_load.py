@@ -1,4 +1,4 @@
-"""The load modes of the bench (`hf_adaptive_spec.bench_load`) on tiny random models: the concurrency sweep, the
+"""The load modes of the bench (`hf_adaptive_spec.bench.load`) on tiny random models: the concurrency sweep, the
 arrival traces and the batching scheduler's replay, and exactness of every strategy on left-padded batches."""
 
 import argparse
@@ -8,8 +8,11 @@ import math
 import pytest
 import torch
 
-from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel, bench, bench_load, cli
-from hf_adaptive_spec.data import Prompt
+from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel, cli
+from hf_adaptive_spec.bench import run as bench
+from hf_adaptive_spec.bench import load as bench_load
+from hf_adaptive_spec.bench import load_sweep
+from hf_adaptive_spec.registry.data import Prompt
 from tiny_models import EOS_ID, PAD_ID, build_model, make_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -173,7 +176,7 @@ def test_repeated_passes_keep_each_methods_fastest(monkeypatch):
         calls.append(method.name)
         return bench_load.BatchRun(run.rows, next(seconds), run.stats)
 
-    monkeypatch.setattr(bench_load, "decode_batch", decode_batch)
+    monkeypatch.setattr(load_sweep, "decode_batch", decode_batch)  # what the sweep runs
     sweep = bench_load.run_load_sweep(models["target"], FakeTokenizer(), models["drafter"], PROMPTS, [1, 2], methods,
                                       MAX_NEW, warmup=0, repeats=2)
     # level 1: order plain, chain2, sage then chain2, sage, plain; level 2 starts one further
@@ -327,7 +330,7 @@ def test_load_option_errors(tmp_path):
             _run_load(tmp_path, "--load-sweep", "1", "--fixed", "chain2", bad)
     with pytest.raises(ValueError, match="--fixed picks"):
         bench.run(_args(tmp_path, "--fixed", "chain2"), model_loader=_tiny_loader)
-    with pytest.raises(ValueError, match="bench_load"):  # the per-prompt bench points to the load modes' entry
+    with pytest.raises(ValueError, match=r"bench\.load"):  # the per-prompt bench points to the load modes' entry
         bench.run(_args(tmp_path, "--load-sweep", "1"), model_loader=_tiny_loader)
 
 

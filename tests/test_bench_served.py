@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_adaptive_spec import bench_served
-from hf_adaptive_spec.bench_load import LoadMethod
+from hf_adaptive_spec.bench import served as bench_served
+from hf_adaptive_spec.bench.load_batches import LoadMethod
 from tiny_server import build_models, build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

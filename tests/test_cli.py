@@ -48,10 +48,11 @@ def test_demo_times_speculation_after_the_one_off_cost_curve(tmp_path, monkeypat
     # a fresh machine has no cost curve yet: measuring it (~20 s for the demo's 1.5B target on 2 cores) must
     # happen in the warm-up, not in the timed speculative run that the demo compares with plain generate
     from hf_adaptive_spec import cost
+    from hf_adaptive_spec.cost import store as cost_store
     from tiny_models import build_drafter, build_model, make_inputs
 
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "_MEMORY", {})
+    monkeypatch.setattr(cost_store, "_MEMORY", {})
     timed, measured = [], []  # the timed speculative run started; when the curve was measured
     measure = cost.measure_verifier_cost
 
@@ -68,7 +69,7 @@ def test_demo_times_speculation_after_the_one_off_cost_curve(tmp_path, monkeypat
             timed.append(True)
         return generate(self, *args, **kwargs)
 
-    monkeypatch.setattr(cost, "measure_verifier_cost", slow_measure)
+    monkeypatch.setattr(cost_store, "measure_verifier_cost", slow_measure)
     monkeypatch.setattr(type(target), "generate", spy)
     drafter = build_drafter("llama", target, "copy")
     inputs = make_inputs("llama", batch_size=1)

@@ -222,7 +222,7 @@ def test_runtime_settings_apply_to_their_call_only():
     nowhere else; the output stays plain greedy."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    from hf_adaptive_spec import lean
+    from hf_adaptive_spec.adapters import lean
     from hf_adaptive_spec.ops import cpu_linear
     from tiny_models import build_drafter, build_model, make_inputs
 

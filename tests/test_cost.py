@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from hf_adaptive_spec import SageConfig, cost
-from hf_adaptive_spec.compat import output_cache
+from hf_adaptive_spec.cost import model as cost_model
+from hf_adaptive_spec.cost import store as cost_store
+from hf_adaptive_spec.adapters.compat import output_cache
 from hf_adaptive_spec.cost import AcceptanceCalibrator, CostModel, CostProfile, choose_nodes, choose_prefix, survival
-from hf_adaptive_spec.runner import ModelRunner
-from hf_adaptive_spec.tree import DraftTree
+from hf_adaptive_spec.adapters.runner import ModelRunner
+from hf_adaptive_spec.drafters.tree import DraftTree
 from tiny_models import build_drafter, build_model, make_inputs
 
 
@@ -101,7 +103,7 @@ def test_subset_keeps_structure():
 
 def test_measured_profile_leaves_the_cache_unchanged_and_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "_MEMORY", {})
+    monkeypatch.setattr(cost_store, "_MEMORY", {})
     target = build_model("qwen2")
     inputs = make_inputs("qwen2", batch_size=2)
     out = target(**inputs, use_cache=True)
@@ -116,8 +118,8 @@ def test_measured_profile_leaves_the_cache_unchanged_and_is_cached(tmp_path, mon
     assert all(torch.equal(a, layer.keys) for a, layer in zip(keys, cache.layers))
     files = list((tmp_path / "_verifier_cost").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["key"] == profile.key
-    monkeypatch.setattr(cost, "_MEMORY", {})
-    monkeypatch.setattr(cost, "measure_verifier_cost", lambda *a, **k: pytest.fail("should read the disk copy"))
+    monkeypatch.setattr(cost_store, "_MEMORY", {})
+    monkeypatch.setattr(cost_store, "measure_verifier_cost", lambda *a, **k: pytest.fail("should read the disk copy"))
     assert cost.verifier_cost_profile(runner, sizes=(1, 2, 4)).seconds == profile.seconds
 
 
@@ -400,13 +402,13 @@ def test_rounds_correct_a_profile_that_disagrees_with_them(tmp_path, monkeypatch
     """A curve measured while the machine was busy (here 4x too slow, and 9x at 3 tokens) is corrected from the
     forwards rounds time, in memory and on disk; one that agrees with them is left as it is."""
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "_MEMORY", {})
+    monkeypatch.setattr(cost_store, "_MEMORY", {})
     busy = CostProfile(sizes=[1, 2, 4, 8], seconds=[4.0, 4.0, 8.0, 8.0], key="test|busy")
     observed = {1: [1.0] * 4, 3: [0.6] * 3, 8: [2.0]}  # T(3) profiled at 6 s, measured 0.6 s
     refined = cost.refine_profile(busy, observed)
     assert refined.sizes == [1, 2, 3, 4, 8]
     assert refined.seconds == pytest.approx([1.0, 1.0, 0.6, 2.0, 2.0])  # x0.25 (median ratio), 3 measured
-    assert cost._MEMORY["test|busy"] is refined
+    assert cost_store._MEMORY["test|busy"] is refined
     (stored,) = (tmp_path / "_verifier_cost").glob("*.json")
     assert json.loads(stored.read_text()) == refined.to_dict()
     assert cost.refine_profile(refined, {1: [1.1] * 5, 3: [0.55] * 3}) is refined  # agrees within 25%
@@ -418,9 +420,10 @@ def test_generate_refines_the_stored_profile(tmp_path, monkeypatch):
     """The loop feeds its verification times back: a stored profile 1000x slower than this machine (seconds
     where forwards take milliseconds) is replaced after one call."""
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "_MEMORY", {})
+    monkeypatch.setattr(cost_store, "_MEMORY", {})
     slow = CostProfile(sizes=[1, 2, 4, 8, 16], seconds=[5.0, 5.0, 6.0, 7.0, 8.0], key="test|slow")
-    monkeypatch.setattr("hf_adaptive_spec.loop.verifier_cost_profile", lambda runner: cost._MEMORY.get(slow.key, slow))
+    monkeypatch.setattr("hf_adaptive_spec.decoding.loop.verifier_cost_profile",
+                        lambda runner: cost_store._MEMORY.get(slow.key, slow))
     target = build_model("llama")
     inputs = make_inputs("llama", batch_size=1)
     expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
@@ -428,7 +431,7 @@ def test_generate_refines_the_stored_profile(tmp_path, monkeypatch):
                           spec_strategy="chain", spec_config={"verify_cost": True, "num_draft_tokens": 1,
                                                               "adaptive": False})
     assert torch.equal(out, expected)
-    refined = cost._MEMORY[slow.key]
+    refined = cost_store._MEMORY[slow.key]
     assert refined is not slow and max(refined.seconds) < 1.0
     assert list((tmp_path / "_verifier_cost").glob("*.json"))
 
@@ -502,7 +505,7 @@ def test_rows_of_one_batch_verify_their_own_sizes_and_stay_exact(strategy, monke
     expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
     counts_seen = []
     original = cost.choose_nodes
-    monkeypatch.setattr(cost, "choose_nodes", lambda *a: counts_seen.append(original(*a)[1]) or original(*a))
+    monkeypatch.setattr(cost_model, "choose_nodes", lambda *a: counts_seen.append(original(*a)[1]) or original(*a))
     curve = CostProfile(sizes=[1, 2, 8], seconds=[1.0, 1.15, 1.9], width_sizes=[1, 8], width_seconds=[1.0, 1.1])
     out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
                           spec_strategy=strategy, spec_config={"verify_cost": True},

@@ -8,6 +8,7 @@ import torch
 
 import hf_adaptive_spec
 from hf_adaptive_spec import cost
+from hf_adaptive_spec.cost import store as cost_store
 from hf_adaptive_spec.ops import cpu_linear
 from tiny_models import build_drafter, build_model, make_inputs
 
@@ -19,7 +20,7 @@ def fresh_machine(tmp_path, monkeypatch):
     """No stored cost curve and no compiled kernel; records measurements, in-call builds and background builds."""
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setattr(cost, "_MEMORY", {})
+    monkeypatch.setattr(cost_store, "_MEMORY", {})
     calls = {"measure": 0, "build": 0, "background": 0}
     measure = cost.measure_verifier_cost
 
@@ -31,7 +32,7 @@ def fresh_machine(tmp_path, monkeypatch):
         calls["build"] += 1
         raise AssertionError("the kernel must not be compiled inside a call")
 
-    monkeypatch.setattr(cost, "measure_verifier_cost", measuring)
+    monkeypatch.setattr(cost_store, "measure_verifier_cost", measuring)
     monkeypatch.setattr(cpu_linear, "_build", building)
     monkeypatch.setattr(cpu_linear, "build_in_background", lambda: calls.__setitem__("background", 1))
     return calls
@@ -62,7 +63,7 @@ def test_a_first_call_measures_and_builds_nothing(fresh_machine, strategy):
         assert fresh_machine["background"] == 1  # compiled out of the call's way
     assert out.spec_stats.time_setup >= out.spec_stats.time_profile >= 0.0
     # the rounds measured the prior curve: the next call starts from their figures
-    (profile,) = cost._MEMORY.values()
+    (profile,) = cost_store._MEMORY.values()
     assert profile.source == "rounds"
 
 
@@ -72,10 +73,10 @@ def test_prepare_measures_ahead_and_calls_then_read_it(fresh_machine, monkeypatc
     drafter = build_drafter("llama", target, "small")
     result = hf_adaptive_spec.prepare(target, drafter, batch_sizes=(1, 2))
     assert fresh_machine["measure"] == 2 and [p["batch_size"] for p in result["profiles"]] == [1, 2]
-    assert all(p.source == "measured" for p in cost._MEMORY.values()) and len(cost._MEMORY) == 2
-    stored = list((cost._cost_dir()).glob("*.json"))
+    assert all(p.source == "measured" for p in cost_store._MEMORY.values()) and len(cost_store._MEMORY) == 2
+    stored = list((cost_store._cost_dir()).glob("*.json"))
     assert len(stored) == 2
-    monkeypatch.setattr(cost, "_MEMORY", {})  # a new process: read from disk, never measured again
+    monkeypatch.setattr(cost_store, "_MEMORY", {})  # a new process: read from disk, never measured again
     for batch_size in (1, 2):
         inputs = make_inputs("llama", batch_size=batch_size)
         target.generate(**inputs, max_new_tokens=8, do_sample=False, assistant_model=drafter, spec_strategy="sage",
@@ -86,8 +87,8 @@ def test_prepare_measures_ahead_and_calls_then_read_it(fresh_machine, monkeypatc
 def test_prepare_waits_for_the_kernel(monkeypatch):
     waited = []
     monkeypatch.setattr(cpu_linear, "enabled", lambda wait=False: waited.append(wait) or False)
-    monkeypatch.setattr(cost, "_MEMORY", {})
-    monkeypatch.setattr(cost, "_store", lambda profile, use_disk=True: cost._MEMORY.__setitem__(profile.key, profile))
+    monkeypatch.setattr(cost_store, "_MEMORY", {})
+    monkeypatch.setattr(cost_store, "_store", lambda profile, use_disk=True: cost_store._MEMORY.__setitem__(profile.key, profile))
     target = build_model("llama")
     hf_adaptive_spec.prepare(target, build_drafter("llama", target, "small"))
     assert waited[0] is True
@@ -113,10 +114,11 @@ def test_cold_worker_times_first_calls_and_checks_outputs(monkeypatch, tmp_path)
     import argparse
     from types import SimpleNamespace
 
-    from hf_adaptive_spec import bench, cold
+    from hf_adaptive_spec.bench import run as bench
+    from hf_adaptive_spec.bench import cold
 
     monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "_MEMORY", {})
+    monkeypatch.setattr(cost_store, "_MEMORY", {})
     target = build_model("llama")
     drafter = build_drafter("llama", target, "small")
     inputs = make_inputs("llama", batch_size=1)

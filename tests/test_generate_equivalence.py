@@ -259,7 +259,7 @@ def test_custom_logits_processor_sees_node_prefixes():
 
 
 def _caches(plain, out):
-    from hf_adaptive_spec.compat import output_cache
+    from hf_adaptive_spec.adapters.compat import output_cache
 
     return output_cache(plain), output_cache(out)
 
@@ -284,7 +284,7 @@ def test_returned_cache_is_plain_generates(arch, strategy, batch_size):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_returned_cache_continues_like_plain_greedy(strategy, batch_size):
-    from hf_adaptive_spec.compat import cache_argument
+    from hf_adaptive_spec.adapters.compat import cache_argument
 
     target = _target("llama")
     inputs = make_inputs("llama", batch_size=batch_size)
@@ -338,7 +338,7 @@ def test_returned_cache_without_rounds_and_under_sampling():
 def test_returned_cache_of_a_sliding_window_model_continues_like_plain_generates(family):
     """Its sliding layers keep every slot (plain generate's keep the window); continuing gives the same tokens."""
     import tiny_families
-    from hf_adaptive_spec.compat import cache_argument
+    from hf_adaptive_spec.adapters.compat import cache_argument
 
     target = tiny_families.build(family)
     inputs = tiny_families.make_inputs(family, batch_size=1)

@@ -7,10 +7,10 @@ import torch
 
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
 from hf_adaptive_spec.cost import Calibration, CostModel, CostProfile
-from hf_adaptive_spec.datastore import TokenDatastore
+from hf_adaptive_spec.drafters.datastore import TokenDatastore
 from hf_adaptive_spec.drafters import block as block_module
 from hf_adaptive_spec.drafters import host_tree
-from hf_adaptive_spec.lookup import MAX_LOOKUP_CODE, context_lookup
+from hf_adaptive_spec.drafters.lookup import MAX_LOOKUP_CODE, context_lookup
 from hf_adaptive_spec.strategies import resolve_config
 from hf_adaptive_spec.strategies.laspec import LaSpecStrategy
 from tiny_models import build_model, make_inputs

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from tiny_models import TEXT_TOKEN_RANGE, VOCAB_SIZE, build_model
 from transformers import AutoConfig, AutoModel
 
-from hf_adaptive_spec.compat import cache_argument
+from hf_adaptive_spec.adapters.compat import cache_argument
 from hf_adaptive_spec.drafters.laspec import (
     LaSpecDrafterConfig,
     LaSpecDrafterModel,
@@ -230,7 +230,7 @@ def test_drafter_for_a_vlm_target_reads_selected_visual_tokens():
     from tiny_models import IMAGE_ID, make_inputs
     from transformers import DynamicCache
 
-    from hf_adaptive_spec.vision import QueryCapture, VisualKeyStore, select_visual_tokens
+    from hf_adaptive_spec.drafters.vision import QueryCapture, VisualKeyStore, select_visual_tokens
 
     vlm = build_model("qwen2_vl")
     inputs = make_inputs("qwen2_vl", batch_size=2)

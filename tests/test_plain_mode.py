@@ -97,7 +97,7 @@ def test_plain_mode_sampling_follows_the_target():
 def test_the_command_line_runs_the_plain_mode_without_its_drafter(capsys):
     """`generate --strategy plain` (and `prepare`) leave the drafter out: the plain mode takes none."""
     from hf_adaptive_spec import cli
-    from hf_adaptive_spec.prepare import prepare
+    from hf_adaptive_spec.decoding.prepare import prepare
 
     model, inputs_of = _model("llama")
 

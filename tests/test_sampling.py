@@ -15,8 +15,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from hf_adaptive_spec import ChainConfig, LaSpecDrafterConfig, LaSpecDrafterModel, SageConfig, StaticTreeConfig, acceptance
-from hf_adaptive_spec.tree import DraftTree
+from hf_adaptive_spec import ChainConfig, LaSpecDrafterConfig, LaSpecDrafterModel, SageConfig, StaticTreeConfig
+from hf_adaptive_spec.decoding import acceptance
+from hf_adaptive_spec.drafters.tree import DraftTree
 from tiny_models import build_drafter, build_model, make_inputs
 
 VOCAB = 8

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import fetch_real_smollm2
-from hf_adaptive_spec import scenes as scenes_module
-from hf_adaptive_spec.scenes import (COLORS, DESCRIBE_REQUEST, POSITIONS, image_labels,
+from hf_adaptive_spec.scenes import dataset as scenes_module
+from hf_adaptive_spec.scenes.dataset import (COLORS, DESCRIBE_REQUEST, POSITIONS, image_labels,
                                      labels_from_questions, make_scenes, scene_messages)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,7 +99,7 @@ def tiny_language_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_vlm(tiny_language_model, easy_vqa_archive):
-    from hf_adaptive_spec.scenes_vlm import build_scenes_vlm
+    from hf_adaptive_spec.scenes.vlm import build_scenes_vlm
 
     return build_scenes_vlm(tiny_language_model, seed=1)
 
@@ -118,7 +118,7 @@ def test_scenes_vlm_keeps_the_vocabulary_and_round_trips_through_the_auto_classe
                                                                                   tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from hf_adaptive_spec.scenes_vlm import (IMAGE_TOKEN_ID, assemble_scenes_vlm, fetch_scenes_vlm,
+    from hf_adaptive_spec.scenes.vlm import (IMAGE_TOKEN_ID, assemble_scenes_vlm, fetch_scenes_vlm,
                                              save_trained_parts)
 
     model, processor = tiny_vlm
@@ -150,7 +150,7 @@ def test_scenes_vlm_keeps_the_vocabulary_and_round_trips_through_the_auto_classe
 
 
 def test_tiny_train_vlm_lowers_the_loss_and_resumes(tiny_language_model, easy_vqa_archive, tmp_path):
-    from hf_adaptive_spec.scenes_vlm import (LORA_TARGETS, build_scenes_vlm, load_trained_parts,
+    from hf_adaptive_spec.scenes.vlm import (LORA_TARGETS, build_scenes_vlm, load_trained_parts,
                                              merge_language_lora, save_trained_parts)
     import random
 
@@ -235,7 +235,7 @@ def test_language_lora_factors_ship_small_and_fold_into_an_ordinary_checkpoint(t
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForImageTextToText
 
-    from hf_adaptive_spec.scenes_vlm import (LORA_TARGETS, TRAINED_FILE, add_language_lora, assemble_scenes_vlm,
+    from hf_adaptive_spec.scenes.vlm import (LORA_TARGETS, TRAINED_FILE, add_language_lora, assemble_scenes_vlm,
                                              build_scenes_vlm, load_trained_parts, merge_language_lora,
                                              save_trained_parts)
 
@@ -328,19 +328,19 @@ def test_speculative_decoding_on_the_scenes_vlm_equals_plain_greedy(tiny_vlm, ti
 
 
 def test_train_drafter_data_spec_scenes_encodes_train_scenes_for_the_target(tiny_vlm):
-    from hf_adaptive_spec.scenes_vlm import IMAGE_TOKEN_ID
-    from hf_adaptive_spec.training.cli import _prompts_by_spec
+    from hf_adaptive_spec.scenes.vlm import IMAGE_TOKEN_ID
+    from hf_adaptive_spec.training.cli import prompts_by_spec
 
     _, processor = tiny_vlm
-    [(spec, prompts)] = _prompts_by_spec(["scenes[2:5]"], processor=processor)
+    [(spec, prompts)] = prompts_by_spec(["scenes[2:5]"], processor=processor)
     assert spec == "scenes[2:5]" and [p.id for p in prompts] == [s.id for s in make_scenes("train", 3, start=2)]
     for prompt in prompts:
         assert prompt.inputs["pixel_values"].shape == (1, 3, 128, 128)
         assert int((prompt.inputs["input_ids"] == IMAGE_TOKEN_ID).sum()) == 64
     with pytest.raises(ValueError, match="END"):
-        _prompts_by_spec(["scenes[2:]"], processor=processor)
+        prompts_by_spec(["scenes[2:]"], processor=processor)
     with pytest.raises(ValueError, match="image processor"):
-        _prompts_by_spec(["scenes[:2]"], processor=processor.tokenizer)
+        prompts_by_spec(["scenes[:2]"], processor=processor.tokenizer)
 
 
 def test_the_shipped_scenes_vlm_reads_held_out_scenes_and_decodes_exactly(tmp_path_factory, easy_vqa_archive):
@@ -351,7 +351,7 @@ def test_the_shipped_scenes_vlm_reads_held_out_scenes_and_decodes_exactly(tmp_pa
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
     from PIL import Image
 
-    from hf_adaptive_spec.scenes_vlm import fetch_scenes_vlm
+    from hf_adaptive_spec.scenes.vlm import fetch_scenes_vlm
 
     _, language = fetch_real_smollm2(tmp_path_factory)
     path = fetch_scenes_vlm(cache_dir=tmp_path_factory.mktemp("scenes_vlm"), language_model=language,

@@ -17,9 +17,9 @@ from accelerate.hooks import AlignDevicesHook
 from transformers import AutoModelForCausalLM
 
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
-from hf_adaptive_spec.final_cache import CACHE_FIELD
-from hf_adaptive_spec.placement import execution_device, tensor_parallel
-from hf_adaptive_spec.runner import ModelRunner
+from hf_adaptive_spec.decoding.final_cache import CACHE_FIELD
+from hf_adaptive_spec.adapters.placement import execution_device, tensor_parallel
+from hf_adaptive_spec.adapters.runner import ModelRunner
 from tiny_models import build_drafter, build_model, make_inputs
 
 MAX_NEW = 16

@@ -12,8 +12,8 @@ import transformers as tf
 
 import hf_adaptive_spec
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
-from hf_adaptive_spec.compat import check_model, cross_attention
-from hf_adaptive_spec.target_states import StateCapture
+from hf_adaptive_spec.adapters.compat import check_model, cross_attention
+from hf_adaptive_spec.adapters.target_states import StateCapture
 import tiny_families as tf_
 from tiny_models import build_model, make_inputs
 

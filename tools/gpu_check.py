@@ -37,8 +37,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 
 import hf_adaptive_spec  # noqa: E402,F401
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel, ops  # noqa: E402
-from hf_adaptive_spec import lean as lean_module  # noqa: E402
-from hf_adaptive_spec.attention import tree_attention  # noqa: E402
+from hf_adaptive_spec.adapters import lean as lean_module  # noqa: E402
+from hf_adaptive_spec.adapters.attention import tree_attention  # noqa: E402
 
 STRATEGIES = ("chain", "static_tree", "sage", "laspec", "plain")
 FAMILIES = ("llama", "qwen2_vl", "gemma2", "mistral")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree import DraftTree
+from .tree import DraftTree
 
 __all__ = ["Drafter", "TargetPrefill", "VerifiedRound"]
 

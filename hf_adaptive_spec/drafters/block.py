@@ -15,7 +15,7 @@ target computes them (`fuse_prefill_state`).
 For a VLM with an image, the target's queries at a few layers are captured
 during verification; the query of the last accepted position picks the M
 visual tokens the drafter's gated cross-attention sees next round
-(`hf_adaptive_spec.vision`).
+(`hf_adaptive_spec.drafters.vision`).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from contextlib import nullcontext
 import torch
 
 from .. import clock
-from ..lookup import add_chain, context_lookup, lookup_code, store_code
+from .lookup import add_chain, context_lookup, lookup_code, store_code
 from ..strategies import Frontier
-from ..tree import DraftTree, TreeBuilder
+from .tree import DraftTree, TreeBuilder
 from .base import Drafter, TargetPrefill, VerifiedRound
 from .host_tree import budget_tree, latest_match
 from .levels import choose_level
-from ..attention import text_attention
-from ..vision import QueryCapture, VisualKeyStore, select_visual_tokens
+from ..adapters.attention import text_attention
+from ..adapters.runner import left_pad
+from .vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .laspec import ContextKV, LaSpecDrafterModel, gather_target_hidden, spread_to_vocabulary
-from ..runner import left_pad
 
 
 def right_pad(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
@@ -80,10 +80,10 @@ class BlockDrafter(Drafter):
         num_visual_tokens (`int`, *optional*): M, visual tokens selected per round (default: the drafter's
             `config.num_visual_tokens`; 0 disables the visual branch).
         context_lookup (`int`): longest suffix matched for the context-lookup branch added to every greedy
-            tree (`hf_adaptive_spec.lookup`; 0 = none).
+            tree (`hf_adaptive_spec.drafters.lookup`; 0 = none).
         lookup_tokens (`int`, *optional*): tokens on that branch (default: the block size).
-        datastore ([`TokenDatastore`], *optional*): also add its proposal (`hf_adaptive_spec.datastore`) to every
-            greedy tree, as one more branch.
+        datastore ([`TokenDatastore`], *optional*): also add its proposal (`hf_adaptive_spec.drafters.datastore`) to
+            every greedy tree, as one more branch.
         datastore_tokens (`int`, *optional*): tokens on that branch (default: `lookup_tokens`).
         host_trees (`bool`): at batch 1, greedy, without processors and for a budget strategy, build the tree
             with host lists (`host_tree`: the same tree, without ~40 small tensor ops per level).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..compat import check_model
+from ..adapters.compat import check_model
 from .base import Drafter, PendingOnly
 from .block import BlockDrafter
 from .independent import IndependentDrafter

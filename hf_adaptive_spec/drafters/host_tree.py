@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.host import float32
-from ..tree import DraftTree
+from .tree import DraftTree
 
 __all__ = ["budget_tree", "float32", "latest_match"]
 

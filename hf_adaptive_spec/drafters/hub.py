@@ -145,7 +145,7 @@ def describe_datastore(folder) -> Path | None:
     """Give the folder's model card (`README.md`) a `## Datastore` section describing its `datastore.safetensors`
     (replacing an earlier one), or drop that section when the folder has no datastore. Returns the card's path
     (None without a card)."""
-    from ..datastore import DATASTORE_FILE, TokenDatastore
+    from .datastore import DATASTORE_FILE, TokenDatastore
 
     folder = Path(folder)
     card = folder / "README.md"

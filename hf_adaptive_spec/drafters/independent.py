@@ -15,10 +15,10 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from ..compat import MULTIMODAL_KEYS, cache_argument, check_cache
-from ..runner import ModelRunner, left_pad
+from ..adapters.compat import MULTIMODAL_KEYS, cache_argument, check_cache
+from ..adapters.runner import ModelRunner, left_pad
 from ..strategies import Frontier
-from ..tree import DraftTree, TreeBuilder
+from .tree import DraftTree, TreeBuilder
 from .base import Drafter, TargetPrefill, VerifiedRound
 from .levels import choose_level
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..strategies import Frontier
-from ..tree import compact_true
+from .tree import compact_true
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ..cost import SpecCalibration
-from ..integration import prefilled_run
+from ..decoding.integration import prefilled_run
 from ..strategies import get_strategy_class
 
 __all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "RequestHandle"]

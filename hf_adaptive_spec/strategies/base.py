@@ -54,7 +54,7 @@ class StrategyConfig:
     - `compact_weights` (`bool`, *optional*): with the kernel, a LaSpec drafter's layers read bf16 copies of
       their weights (drafts only); None (default): on, unless `cpu_linear.use_compact_weights(False)` is in force.
     - `lean_forward` (`bool`, *optional*): round forwards of supported models skip transformers' per-module
-      Python (`hf_adaptive_spec.lean`; bitwise the same logits); None (default): on, unless
+      Python (`hf_adaptive_spec.adapters.lean`; bitwise the same logits); None (default): on, unless
       `lean.use_lean_forward(False)` is in force.
     - `host_trees` (`bool`, defaults to True): a LaSpec block drafter at batch 1 (greedy, no processors)
       builds its tree with host lists (`drafters.host_tree`: the same tree).
@@ -217,7 +217,7 @@ class Strategy:
 
     @property
     def cost_aware(self) -> bool:
-        """True if the loop should trim each drafted tree with the verifier cost model (`cost.py`) before
+        """True if the loop should trim each drafted tree with the verifier cost model (`cost/`) before
         verifying it. Greedy decoding only: under sampling, dropping a drawn node for its own value would bias
         the draws."""
         return bool(getattr(self.config, "verify_cost", False))

@@ -34,12 +34,12 @@ class LaSpecConfig(StrategyConfig):
             (default: the drafter's `config.num_visual_tokens`; 0 turns the visual branch off).
         context_lookup (`int`, defaults to 4): under greedy decoding, also offer the tokens that followed the
             latest earlier occurrence of the sequence's last n tokens (n up to this, longest first), as one more
-            branch of the tree (`hf_adaptive_spec.lookup`); the cost rule keeps its nodes when their measured
+            branch of the tree (`hf_adaptive_spec.drafters.lookup`); the cost rule keeps its nodes when their measured
             acceptance pays. 0 turns it off.
         lookup_tokens (`int`, defaults to 8): tokens on that branch (a repetition, once found, often runs past
             the drafter's block; the cost rule prices every node of it; docs/laspec.md has the measured effect).
         datastore (`bool`, *optional*): under greedy decoding, also offer the continuation that the drafter's
-            datastore (`hf_adaptive_spec.datastore`: e.g. the target's own answers to training requests) shares
+            datastore (`hf_adaptive_spec.drafters.datastore`: e.g. the target's own answers to training requests) shares
             for the sequence's longest matching suffix, as one more branch; the cost rule keeps its nodes when
             their measured acceptance pays. `None` (default): when the drafter carries one; True: require it;
             False: off.

@@ -4,7 +4,7 @@
         --data "humaneval[24:]" "mtbench[24:]" --steps 600
 
 Runs on one CPU as is, or on several GPUs with `accelerate launch -m hf_adaptive_spec.cli train-drafter ...`.
-Data prompts are given as `DATASET[START:END]` slices of the order `hf_adaptive_spec.data.load_prompts` uses
+Data prompts are given as `DATASET[START:END]` slices of the order `hf_adaptive_spec.registry.data.load_prompts` uses
 (the bench runs the FIRST prompts of each set, so `[24:]` keeps `bench --limit 24` and below out of training).
 """
 
@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "'stdlib_solutions[:N]' / 'stdlib_method_solutions[:N]' (the stdlib tasks answered "
                              "with the functions' own source), 'doc_explanations[:N]' (docstrings as answers) and "
                              "'sharegpt_answers[:N]' (the ShareGPT requests with their own first ChatGPT answer); VLM targets: "
-                             "'scenes[:N]' (descriptions of N train scenes of hf_adaptive_spec.scenes, answered "
-                             "by the target)")
+                             "'scenes[:N]' (descriptions of N train scenes of hf_adaptive_spec.scenes.dataset, "
+                             "answered by the target)")
     parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                         help="extra chat prompts, one JSON object per line: {\"prompt\": TEXT} or "
                              "{\"messages\": [...]}, optional \"id\"")
@@ -159,9 +159,9 @@ def image_prompts(path, processor) -> list:
 
 
 def scene_prompts(part: slice, processor, seed: int = 0) -> list:
-    """`EncodedPrompt`s asking for the description of TRAIN scenes `part` (`hf_adaptive_spec.scenes`: easy-vqa's
+    """`EncodedPrompt`s asking for the description of TRAIN scenes `part` (`hf_adaptive_spec.scenes.dataset`: easy-vqa's
     train images only), encoded with the VLM's processor; the target answers them."""
-    from ..scenes import DESCRIBE_REQUEST, make_scenes, scene_messages
+    from ..scenes.dataset import DESCRIBE_REQUEST, make_scenes, scene_messages
     from .data import EncodedPrompt
 
     if processor is None or not hasattr(processor, "image_processor"):
@@ -176,10 +176,10 @@ def scene_prompts(part: slice, processor, seed: int = 0) -> list:
             for scene in make_scenes("train", max(0, part.stop - start), seed=seed, start=start)]
 
 
-def _prompts_by_spec(specs: list, seed: int = 0, processor=None) -> list:
+def prompts_by_spec(specs: list, seed: int = 0, processor=None) -> list:
     """`[(spec, its prompts), ...]` for `--data` specs; a ValueError when none selects a prompt. `scenes[...]`
     needs the target's `processor`."""
-    from ..data import load_prompts
+    from ..registry.data import load_prompts
     from .prompts import PROMPT_SOURCES
 
     selected = []
@@ -196,13 +196,13 @@ def _prompts_by_spec(specs: list, seed: int = 0, processor=None) -> list:
 
 
 def _prompts(specs: list, seed: int = 0) -> list:
-    return [prompt for _, prompts in _prompts_by_spec(specs, seed) for prompt in prompts]
+    return [prompt for _, prompts in prompts_by_spec(specs, seed) for prompt in prompts]
 
 
 def prompts_file(path) -> list:
     """Chat prompts from a JSON-lines file: one object per line, `{"prompt": TEXT}` or `{"messages": [{"role":
     ..., "content": ...}, ...]}`, with an optional `"id"` (default `FILE/LINE`)."""
-    from ..data import Prompt
+    from ..registry.data import Prompt
 
     path = Path(path)
 
@@ -254,7 +254,7 @@ def initialize_from(drafter, source) -> None:
 
 
 def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> list:
-    from ..bench import encode_prompt
+    from ..bench.inputs import encode_prompt
 
     from .data import EncodedPrompt
 
@@ -360,7 +360,7 @@ def save_drafter_folder(drafter, out, train_examples: list, eval_examples: list,
 
 def _data_description(args, by_spec: list) -> str:
     """The model card's data line: which `--data` sets the target answered and which came answered (their own
-    real answers, teacher-forced), as given on the command line (`by_spec`: [`_prompts_by_spec`])."""
+    real answers, teacher-forced), as given on the command line (`by_spec`: [`prompts_by_spec`])."""
     from .data import MAX_TEXT_TOKENS, is_answered
 
     generated, answered = [], []
@@ -407,7 +407,7 @@ def run(args) -> int:
                                                     target_model_name=args.target)
     cache = Path(args.data_cache) if args.data_cache else None
     generate_dtype = None if args.generate_dtype == "same" else getattr(torch, args.generate_dtype)
-    by_spec = _prompts_by_spec(args.data, seed=args.seed, processor=processor)
+    by_spec = prompts_by_spec(args.data, seed=args.seed, processor=processor)
     prompts = [prompt for _, selected in by_spec for prompt in selected]
     if args.prompts:
         prompts += prompts_file(args.prompts)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..compat import cache_argument
+from ..adapters.compat import cache_argument
 from ..drafters.laspec import gather_target_hidden
 
 __all__ = ["DrafterExample", "EncodedPrompt", "build_examples", "answer_token_counts", "frequent_tokens", "examples_from_sequences", "load_examples", "save_examples"]
@@ -61,7 +61,7 @@ def left_padded(encoded: list, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, attention_mask
 
 
-def _cut_at_eos(answer: torch.Tensor, eos) -> torch.Tensor:
+def cut_at_eos(answer: torch.Tensor, eos) -> torch.Tensor:
     if eos is not None and bool((answer == eos).any()):
         return answer[: int((answer == eos).nonzero()[0]) + 1]
     return answer
@@ -150,7 +150,7 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
     from transformers import DynamicCache
 
     from ..drafters.block import choose_visual_slots, image_token_mask
-    from ..vision import QueryCapture, VisualKeyStore
+    from ..drafters.vision import QueryCapture, VisualKeyStore
 
     sources = sources if sources is not None else [""] * len(sequences)
     prompt_lengths = prompt_lengths if prompt_lengths is not None else [0] * len(sequences)
@@ -232,7 +232,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
         target: the verifier (causal LM; eval mode).
         tokenizer: its tokenizer (a chat template is used when it has one).
         layer_ids (`list[int]`): target layers the drafter reads (`config.target_layer_ids`).
-        prompts: chat prompts (`hf_adaptive_spec.data.Prompt` or a list of messages); the target answers each
+        prompts: chat prompts (`hf_adaptive_spec.registry.data.Prompt` or a list of messages); the target answers each
             greedily with up to `max_new_tokens` tokens, `batch_size` prompts at a time. A VLM prompt with an
             image comes as an [`EncodedPrompt`] (the processor's output), answered on its own. A prompt whose
             last message is the assistant's is ANSWERED already: that answer (cut to `max_text_tokens` tokens)
@@ -291,7 +291,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
                                      attention_mask=attention_mask.to(target.device), max_new_tokens=max_new_tokens,
                                      pad_token_id=pad, **sampling)
             for row, (prompt, ids) in enumerate(zip(chunk, encoded)):
-                answer = _cut_at_eos(out[row, width:].cpu(), tokenizer.eos_token_id)
+                answer = cut_at_eos(out[row, width:].cpu(), tokenizer.eos_token_id)
                 sequences.append(torch.cat([ids, answer]))
                 sources.append(prompt_source(prompt))
                 prompt_lengths.append(len(ids))
@@ -308,7 +308,7 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
         for sample in range(samples_per_prompt):
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if sample else {"do_sample": False}
             out = answerer.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
-            answer = _cut_at_eos(out[0, len(ids):].cpu(), tokenizer.eos_token_id)
+            answer = cut_at_eos(out[0, len(ids):].cpu(), tokenizer.eos_token_id)
             sequences.append(torch.cat([ids, answer]))
             sources.append(prompt.id)
             prompt_lengths.append(len(ids))
@@ -346,7 +346,7 @@ def _answered_ids(tokenizer, messages: list, max_answer_tokens: int) -> tuple[to
     if list(full[: len(prompt)]) != list(prompt) or len(full) <= len(prompt):
         raise ValueError("The chat template does not render the conversation's answer after its generation "
                          "prompt; cannot tell where the answer starts.")
-    answer = _cut_at_eos(torch.tensor(full[len(prompt):], dtype=torch.long), tokenizer.eos_token_id)
+    answer = cut_at_eos(torch.tensor(full[len(prompt):], dtype=torch.long), tokenizer.eos_token_id)
     return torch.cat([torch.tensor(prompt, dtype=torch.long), answer[:max_answer_tokens]]), len(prompt)
 
 

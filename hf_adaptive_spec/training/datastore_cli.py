@@ -4,7 +4,7 @@
         --out path/to/drafter_folder --generate-dtype bfloat16 --answers-cache answers.json
 
 The target answers each prompt greedily (batched, left-padded); the answers become a
-[`~hf_adaptive_spec.datastore.TokenDatastore`] written as `datastore.safetensors` into a LaSpec drafter folder
+[`~hf_adaptive_spec.drafters.datastore.TokenDatastore`] written as `datastore.safetensors` into a LaSpec drafter folder
 (which `from_pretrained` then loads with the weights) or to a `.safetensors` file. ANSWERED prompt sets
 (`sharegpt_answers`, ...) contribute their own answers' tokens, nothing is generated. Keep the benchmark's
 prompts out (`--data` slices as in `train-drafter`): a store that holds the answers being measured would
@@ -61,7 +61,7 @@ def answer_prompts(model, tokenizer, prompts: list, max_new_tokens: int, batch_s
     is called after every batch (to keep a cache file current)."""
     from tqdm.auto import tqdm
 
-    from .data import _cut_at_eos, encode_chat_prompt, left_padded
+    from .data import cut_at_eos, encode_chat_prompt, left_padded
 
     answers = dict(cache or {})
     todo = [prompt for prompt in prompts if prompt.id not in answers]
@@ -75,7 +75,7 @@ def answer_prompts(model, tokenizer, prompts: list, max_new_tokens: int, batch_s
         out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         for r, i in enumerate(rows):
-            answers[todo[i].id] = _cut_at_eos(out[r, input_ids.shape[1]:].cpu(), tokenizer.eos_token_id).tolist()
+            answers[todo[i].id] = cut_at_eos(out[r, input_ids.shape[1]:].cpu(), tokenizer.eos_token_id).tolist()
         if save is not None:
             save(answers)
         bar.update(len(rows))
@@ -85,9 +85,9 @@ def answer_prompts(model, tokenizer, prompts: list, max_new_tokens: int, batch_s
 
 def run(args) -> int:
     from ..loading import load_model, resolve_path as _resolve_path
-    from ..datastore import DATASTORE_FILE, TokenDatastore
+    from ..drafters.datastore import DATASTORE_FILE, TokenDatastore
     from ..drafters.hub import describe_datastore, is_laspec_folder
-    from .cli import _prompts_by_spec
+    from .cli import prompts_by_spec
     from .data import is_answered
 
     if args.threads:
@@ -103,7 +103,7 @@ def run(args) -> int:
         raise SystemExit(f"--out {out}: expected a LaSpec drafter folder or a .safetensors file.")
     if not 1 <= args.min_ngram <= args.max_ngram:
         raise SystemExit(f"--min-ngram / --max-ngram need 1 <= min <= max, got {args.min_ngram}, {args.max_ngram}.")
-    by_spec = _prompts_by_spec(args.data, args.seed)
+    by_spec = prompts_by_spec(args.data, args.seed)
     prompts = [prompt for _, selected in by_spec for prompt in selected]
     for answered_set in (False, True):  # a request may come both answered by the target and with its own answer
         ids = [prompt.id for prompt in prompts if is_answered(prompt) == answered_set]

@@ -1,7 +1,7 @@
-"""Training the scenes VLM (`hf_adaptive_spec.scenes_vlm`): a vision tower and projector under SmolLM2, whose
+"""Training the scenes VLM (`hf_adaptive_spec.scenes.vlm`): a vision tower and projector under SmolLM2, whose
 linear layers learn low-rank updates (LoRA) in the last stage.
 
-Three stages, all on seeded random train scenes (`hf_adaptive_spec.scenes`):
+Three stages, all on seeded random train scenes (`hf_adaptive_spec.scenes.dataset`):
 
 1. **tower**: the vision tower alone, as a classifier: its patch features (the ones the projector reads),
    averaged over each quadrant and each on its own (`patch_weight`), predict that quadrant's colour and shape
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..scenes import COLORS, DESCRIBE_REQUEST, POSITIONS, SHAPES, make_scenes, scene_messages
+from ..scenes.dataset import COLORS, DESCRIBE_REQUEST, POSITIONS, SHAPES, make_scenes, scene_messages
 
 __all__ = ["QuadrantHeads", "VLMTrainConfig", "evaluate_scenes", "parse_description", "train_scenes_vlm"]
 
@@ -254,10 +254,10 @@ def _cosine(step: int, total: int) -> float:
 def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, resume: bool = False,
                      accelerator=None, progress: bool = True, log=print, scene_source=make_scenes) -> dict:
     """Train `model`'s vision tower and projector in place, and low-rank updates of its language model
-    (``config.lora_rank``; added by :func:`~hf_adaptive_spec.scenes_vlm.add_language_lora` unless the model
+    (``config.lora_rank``; added by :func:`~hf_adaptive_spec.scenes.vlm.add_language_lora` unless the model
     already carries them). The model is returned parametrized: save it with
-    :func:`~hf_adaptive_spec.scenes_vlm.save_trained_parts`, then fold the updates in with
-    :func:`~hf_adaptive_spec.scenes_vlm.merge_language_lora`.
+    :func:`~hf_adaptive_spec.scenes.vlm.save_trained_parts`, then fold the updates in with
+    :func:`~hf_adaptive_spec.scenes.vlm.merge_language_lora`.
 
     Args:
         model: the scenes VLM (`scenes_vlm.build_scenes_vlm`).
@@ -279,7 +279,7 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
     torch.manual_seed(config.seed)
     vision = model.config.vision_config
     heads = QuadrantHeads(vision.hidden_size, vision.image_size // vision.patch_size)
-    from ..scenes_vlm import TRAINED_PREFIXES, add_language_lora, language_lora_parameters
+    from ..scenes.vlm import TRAINED_PREFIXES, add_language_lora, language_lora_parameters
 
     for name, parameter in model.named_parameters():
         parameter.requires_grad = name.startswith(TRAINED_PREFIXES)

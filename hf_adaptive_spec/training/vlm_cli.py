@@ -42,7 +42,7 @@ def run(args) -> int:
     import torch
 
     from ..loading import resolve_path
-    from ..scenes_vlm import (SHIPPED, add_language_lora, assemble_scenes_vlm, build_scenes_vlm, load_trained_parts,
+    from ..scenes.vlm import (SHIPPED, add_language_lora, assemble_scenes_vlm, build_scenes_vlm, load_trained_parts,
                               merge_language_lora, save_trained_parts)
     from .vlm import VLMTrainConfig, evaluate_scenes, train_scenes_vlm
 
@@ -65,7 +65,7 @@ def run(args) -> int:
             "language_model": args.language_model, "init_from": args.init_from, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "torch": torch.__version__}
     if config.eval_scenes:
-        from ..scenes import make_scenes
+        from ..scenes.dataset import make_scenes
 
         info["blank_image"] = evaluate_scenes(model, processor, make_scenes("test", config.eval_scenes,
                                                                             seed=config.seed), blank=True)

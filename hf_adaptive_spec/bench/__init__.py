@@ -1,0 +1,2 @@
+"""The benchmark (`python -m hf_adaptive_spec.bench`, `hf-adaptive-spec bench`): the run over prompts and
+methods, load modes, vision sweeps, memory, cold starts, statistics, reports and the docs tables."""

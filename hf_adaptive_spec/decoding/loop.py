@@ -1,0 +1,634 @@
+"""The decoding loop: draft a tree -> verify it in ONE target forward -> accept -> compact -> stream -> repeat.
+
+It decides nothing itself: the strategy shapes the tree, the drafter builds
+it, `ops.greedy_accept` picks the path. It reuses everything `generate`
+prepared: the target's cache and prefill inputs, logits processors,
+stopping criteria and streamer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .. import clock
+from .. import ops
+from .acceptance import sample_accept
+from ..adapters.attention import tree_attention
+from ..adapters.compat import cache_from_kwargs, check_cache, check_model, check_pair
+from ..cost import CostModel, DraftPricing, SpecCalibration, verifier_cost_profile
+from ..drafters.base import TargetPrefill, VerifiedRound
+from ..drafters.factory import make_drafter
+from .final_cache import CACHE_FIELD, commit_last_round, returned_cache
+from ..adapters.lean import use_lean_forward
+from ..ops import cpu_linear
+from ..adapters.placement import execution_device, tensor_parallel
+from .processors import RowProcessors, SequenceBuffer, StopChecker, row_free
+from .retire import RetiredRows
+from ..adapters.runner import ModelRunner
+from ..adapters.target_states import StateCapture
+from ..strategies import get_strategy_class, resolve_config
+
+
+@dataclass
+class SpecStats:
+    """How speculation went in one `generate` call.
+
+    Fields:
+        strategy: the strategy name.
+        rounds: target verification forwards (draft -> verify rounds); the prefill is not a round.
+        new_tokens: tokens generated over all rows (the prefill's first token included).
+        row_rounds: rounds summed over the rows still generating in them.
+        drafted_tokens / accepted_tokens: draft nodes verified / draft tokens accepted, over all rows.
+        mean_accepted_length: tau = tokens produced by rounds / row_rounds (accepted drafts + bonus per round).
+        accepted_lengths: accepted draft tokens of each row-round, in order.
+        round_values: per-row-round values the strategy reports (`Strategy.round_values`), each list aligned
+            with `accepted_lengths`: `sage` reports `alpha`, the confidence that shaped each tree.
+        time_*: seconds spent in the prefill (target and drafter), drafting (drafter forwards), tree and mask
+            building, verification (target forwards), acceptance (processors, path choice, stopping) and KV
+            compaction. On a GPU these are host times between phases, without extra synchronisation.
+        time_profile: seconds spent getting the verifier's cost curve: reading it from memory or disk, or on a
+            CPU starting from a prior curve the rounds correct (no forward is timed inside a call unless asked:
+            `hf_adaptive_spec.prepare`, `cost.measure_cost_curve`; on an accelerator the sweeps are measured).
+        time_setup: seconds of one-off setup inside this call: `time_profile` plus loading the CPU kernel (a
+            kernel not compiled yet is built in a background process, never inside the call).
+        pruned_tokens: draft nodes the cost model trimmed before verification (cost-aware strategies).
+        unpaid_levels: draft levels an independent drafter did not expand because they would not pay for the
+            drafter forward and the verification they add (`cost.DraftPricing`; cost-aware strategies, CPU).
+        paused_rounds: rounds that verified the root alone because drafting was not paying on this text (a
+            drafter that `may_pause`, with the cost rule on a CPU; `CostModel.pause_drafting`); counted in `rounds`.
+        time_visual: seconds spent selecting visual tokens for a LaSpec drafter (int8 keys at the prefill, the
+            score-and-vote each round); `time_visual / rounds` is the per-round selection cost.
+        retired_rows: rows that finished and left the batch before the call ended (`retire_rows`).
+    """
+
+    strategy: str = ""
+    rounds: int = 0
+    new_tokens: int = 0
+    row_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_lengths: list = field(default_factory=list)
+    round_values: dict = field(default_factory=dict)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_tree: float = 0.0
+    time_verify: float = 0.0
+    time_accept: float = 0.0
+    time_compact: float = 0.0
+    time_profile: float = 0.0
+    time_setup: float = 0.0
+    pruned_tokens: int = 0
+    paused_rounds: int = 0
+    unpaid_levels: int = 0
+    time_visual: float = 0.0
+    retired_rows: int = 0
+    time_total: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted_tokens + self.row_rounds) / self.row_rounds if self.row_rounds else 0.0
+
+    @property
+    def target_forwards(self) -> int:
+        return self.rounds + 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("accepted_lengths", "round_values")}
+        out.update(mean_accepted_length=self.mean_accepted_length, target_forwards=self.target_forwards,
+                   acceptance_rate=self.acceptance_rate)
+        return out
+
+
+@dataclass
+class SpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus `spec_stats` (`SpecStats`)."""
+
+    spec_stats: SpecStats | None = None
+
+
+class _Clock:
+    def __init__(self):
+        self.last = clock.now()
+
+    def lap(self) -> float:
+        now = clock.now()
+        elapsed, self.last = now - self.last, now
+        return elapsed
+
+
+def _check_generation_config(generation_config, model_kwargs, streamer, batch_size):
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError("spec_strategy does not support beam search (num_beams > 1).")
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError("spec_strategy does not support num_return_sequences > 1.")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError("spec_strategy does not support output_attentions / output_hidden_states.")
+    if generation_config.assistant_ensemble_weight is not None:
+        raise ValueError("spec_strategy does not support assistant_ensemble_weight.")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("spec_strategy needs input_ids (the drafter reads tokens), not inputs_embeds.")
+    if streamer is not None and batch_size > 1:
+        raise ValueError("spec_strategy streams one sequence; a streamer needs batch size 1.")
+
+
+def _validate(model, input_ids, generation_config, streamer, assistant_model, tokenizer, assistant_tokenizer,
+              synced_gpus, model_kwargs):
+    """Refuse what speculation cannot do exactly; returns the target's (checked) cache."""
+    if assistant_model is None:
+        raise ValueError("spec_strategy needs a drafter: pass assistant_model=...")
+    if synced_gpus:
+        raise ValueError("spec_strategy does not support synced_gpus.")
+    _check_generation_config(generation_config, model_kwargs, streamer, input_ids.shape[0])
+    check_model(model, "target")
+    check_pair(model, assistant_model, tokenizer, assistant_tokenizer)
+    if not model_kwargs.get("use_cache", True):
+        raise ValueError("spec_strategy needs use_cache=True.")
+    cache = cache_from_kwargs(model_kwargs)
+    check_cache(cache, "target")
+    if model_kwargs.get("position_ids") is None:
+        raise ValueError(f"{type(model).__name__} gets no position_ids from generate; spec_strategy needs them.")
+    return cache
+
+
+@torch.no_grad()
+def speculative_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+                       streamer=None, assistant_model=None, tokenizer=None, assistant_tokenizer=None,
+                       raw_inputs: dict | None = None, synced_gpus: bool = False,
+                       spec_calibration: SpecCalibration | None = None, handoff: bool = False, **model_kwargs):
+    """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
+
+    Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
+    `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`). `spec_calibration`: what
+    the cost rule learned in earlier calls, continued here (`cost.SpecCalibration`); None: from the priors.
+    `handoff`: return the prefilled `Decoding` before its first round instead (a serving engine runs its rounds,
+    joins it to others and closes it).
+    """
+    scope = contextlib.ExitStack()  # what the call enters (drafter attachment, kernels), closed on any exit
+    with contextlib.ExitStack() as guard:
+        guard.push(scope)  # closed with the call, unless the prefilled run is handed off
+        cache = _validate(model, input_ids, generation_config, streamer, assistant_model, tokenizer,
+                          assistant_tokenizer, synced_gpus, model_kwargs)
+        run = Decoding(scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
+                       streamer, assistant_model, model_kwargs, spec_calibration)
+        run.prefill(raw_inputs or {})
+        run.start_rounds()
+        if handoff:
+            guard.pop_all()
+            return run
+        done = bool(run.finished.all())
+        while not done:
+            done = run.round()
+        return run.finish()
+
+
+class Decoding:
+    """One speculative `generate` call: its state, and the loop's steps as methods (prefill, start_rounds, round
+    = draft -> trim -> verify -> accept -> commit, finish)."""
+
+    def __init__(self, scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
+                 streamer, assistant_model, model_kwargs, calibration=None):
+        self.start_time = clock.now()
+        self.calibration = calibration
+        self.scope, self.model, self.cache, self.input_ids = scope, model, cache, input_ids
+        self.logits_processor, self.generation_config, self.streamer = logits_processor, generation_config, streamer
+        self.assistant_model, self.model_kwargs = assistant_model, model_kwargs
+        name = generation_config.spec_strategy
+        self.strategy_class = get_strategy_class(name)
+        self.config = resolve_config(name, getattr(generation_config, "spec_config", None),
+                                     execution_device(model, input_ids.device))
+        self._enter_runtime_settings()
+        self.drafter = make_drafter(assistant_model, model, self.strategy_class, self.config, scope)
+        self.batch_size, self.device = input_ids.shape[0], input_ids.device
+        self.do_sample = bool(generation_config.do_sample)
+        self.stats = SpecStats(strategy=name)
+        return_dict = generation_config.return_dict_in_generate
+        self.row_scores = [[] for _ in input_ids] if return_dict and generation_config.output_scores else None
+        self.row_logits = [[] for _ in input_ids] if return_dict and generation_config.output_logits else None
+        pad = generation_config._pad_token_tensor
+        self.buffer = SequenceBuffer(input_ids, generation_config.max_length, int(pad) if pad is not None else 0)
+        self.stopper = StopChecker(stopping_criteria, generation_config._eos_token_tensor,
+                                   generation_config.max_length)
+        self.processors = RowProcessors(logits_processor, self.batch_size, self.device)
+        self.finished = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+        self.clock = _Clock()
+        self.trace = _RoundTrace(self.batch_size)
+        self.strategy = self.target = self.cost = self.pricing = None
+        self.last_round = None  # (path_index, counts) of a final round that ended the call before its commit
+        # finished rows leave the batch between rounds (`retire_rows`); `rows`: each remaining row's row in the call
+        self.rows = torch.arange(self.batch_size, device=self.device)
+        self.retired = None
+        self._owned_calibration = None
+        if (self.config.retire_rows and self.batch_size > 1 and row_free(logits_processor)
+                and not tensor_parallel(model, assistant_model)):
+            self.retired = RetiredRows(self.batch_size, keep_cache=bool(return_dict))
+
+    def _enter_runtime_settings(self) -> None:
+        """The config's runtime settings, for this call (those left None follow the caller's context)."""
+        config = self.config
+        settings = ((config.lean_forward, use_lean_forward), (config.cpu_kernels, cpu_linear.use_cpu_kernels),
+                    (config.compact_weights, cpu_linear.use_compact_weights))
+        for value, setting in settings:
+            if value is not None:
+                self.scope.enter_context(setting(value))
+
+    # ---- prefill
+
+    def prefill(self, raw_inputs: dict) -> None:
+        """The target's prefill, exactly as plain generate runs it -> the first token; then the drafter's."""
+        model, input_ids, drafter = self.model, self.input_ids, self.drafter
+        kwargs = self.model_kwargs
+        with contextlib.ExitStack() as prefill_scope:
+            prefill_scope.enter_context(drafter.prefill_scope(input_ids))
+            used_positions = prefill_scope.enter_context(_prefill_positions(model))
+            # only the hidden states the drafter reads are kept (never every layer at every prompt position)
+            indices = drafter.target_states(prefill=True)
+            consume = drafter.fuse_prefill_state if drafter.fuses_prefill_states else None
+            capture = StateCapture.for_model(model, indices, consume) if indices is not None else None
+            if capture is not None:
+                prefill_scope.enter_context(capture)
+            elif indices is not None:
+                kwargs = {**kwargs, "output_hidden_states": True}
+            outputs = model._prefill(input_ids, self.generation_config, kwargs)
+        if self.cache.get_seq_length() != input_ids.shape[1]:
+            raise ValueError(
+                f"{type(model).__name__} cached {self.cache.get_seq_length()} positions for a {input_ids.shape[1]}-"
+                "token prompt; spec_strategy needs one cache slot per input token."
+            )
+        raw = outputs.logits[:, -1, :].to(torch.float32)
+        scores = self.logits_processor(input_ids, raw) if len(self.logits_processor) else raw
+        first = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
+        hidden = None
+        if indices is not None:
+            hidden = capture.states if capture is not None else outputs.hidden_states
+        del outputs
+        attention_mask = self.model_kwargs.get("attention_mask")
+        slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        position_ids = used_positions.get("position_ids", self.model_kwargs["position_ids"])
+        self.target = ModelRunner(model, self.cache, slot_valid, position_ids)
+        self.scope.callback(self.target.close)
+        self.first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
+        if self.device.type == "cpu":
+            self._enter_cpu_kernels()
+        counts, done = self.stopper.cut(self.buffer, first[:, None], torch.ones_like(first))
+        self._emit(first[:, None], counts, scores[:, None], raw[:, None])
+        self.finished |= done
+        self.stats.time_prefill += self.clock.lap()
+        if not bool(self.finished.all()):
+            drafter.start(TargetPrefill(input_ids, attention_mask, slot_valid, raw_inputs, self.cache, hidden, first))
+            self.stats.time_visual += drafter.visual_time
+            self.stats.time_prefill += self.clock.lap()
+
+    def _enter_cpu_kernels(self) -> None:
+        """Rounds on a CPU (measured there only; both change float rounding, not math): the small-batch linear
+        kernel for verification and drafting (a drafter that `compact_weights` reads bf16 copies: drafts only, the
+        target still decides every token), and tree forwards' GQA without repeat_kv."""
+        drafter = self.drafter
+        compact = (drafter.model,) if drafter.compact_weights else ()
+        setup_start = clock.now()
+        self.scope.enter_context(cpu_linear.fast_linears(self.model, self.assistant_model, compact=compact))
+        if self.strategy_class.drafts_nothing:  # `plain`: every step is one row per sequence
+            self.scope.enter_context(cpu_linear.single_row_kernel())
+        self.stats.time_setup += clock.now() - setup_start
+        for verifier in (self.model, drafter.model if drafter.tree_forwards else None):
+            self.scope.enter_context(tree_attention(verifier))
+
+    def start_rounds(self) -> None:
+        """The strategy, and the cost rule when the strategy is cost-aware (greedy; not under tensor
+        parallelism: its choices follow each rank's own timings, and every rank must verify the same tree)."""
+        self.strategy = self.strategy_class(self.config, self.batch_size, self.device)
+        self.strategy.sampling = self.do_sample
+        if (bool(self.finished.all()) or not self.strategy.cost_aware or self.do_sample
+                or tensor_parallel(self.model, self.assistant_model)):
+            return
+        owned = self._owned_calibration = (self.calibration if self.calibration is not None
+                                           else SpecCalibration.from_env())
+        fixed = owned is not None and owned.cost_profile is not None
+        profile = self._cost_profile()
+        calibration = None
+        if owned is not None:
+            calibration = owned.get(self.assistant_model, f"{self.strategy.name}|{profile.key}", self.device)
+        # a fixed curve is priced as given: nothing follows this machine's timings (`SpecCalibration`)
+        self.cost = CostModel(profile, max_tokens=256, device=self.device, calibration=calibration,
+                              timed=not fixed, rows=self.batch_size, packed=self.target.lean)
+        if self.drafter.prices_levels and self.cost.live_scale:  # drafting is priced too (host times are real)
+            self.pricing = DraftPricing(self.cost)
+        self.stats.time_profile += self.clock.lap()
+        self.stats.time_setup += self.stats.time_profile
+
+    def _cost_profile(self):
+        """The verifier's cost curve for the batch as it is now (a fixed one if the calibration carries it)."""
+        owned = self._owned_calibration
+        if owned is not None and owned.cost_profile is not None:
+            return owned.cost_profile
+        return verifier_cost_profile(self.target)
+
+    # ---- one round
+
+    def round(self) -> bool:
+        """One round; True when it ended the call (every row finished)."""
+        round_start = clock.now()
+        active = ~self.finished
+        tree, paused = self._draft(active)
+        if self.cost is not None and not paused:
+            tree = self._trim(tree, active)
+        raw, hidden, verify_seconds = self._verify(tree)
+        accepted = self._accept(tree, raw, active, paused)
+        finished = int(self.finished.sum())
+        if finished == self.batch_size:  # the last round: nothing to commit (`finish` returns the cache as is)
+            self.last_round = (accepted.path_index, accepted.counts)
+            return True
+        self._commit(tree, accepted, hidden)
+        if self.cost is not None:
+            round_seconds = clock.now() - round_start
+            tokens = accepted.counts.sum()
+            self.cost.observe(tree, accepted.choice, round_seconds, tokens, verify_seconds)  # greedy: choice set
+            if self.drafter.may_pause and self.cost.live_scale:  # host times are real (CPU): reading costs nothing
+                self.cost.observe_rate(not paused, round_seconds, int(tokens))
+        if self.retired is not None and finished and finished >= RetiredRows.LEAVE_AT * self.batch_size:
+            self._retire()
+        return False
+
+    def _retire(self) -> None:
+        """Finished rows leave the batch (once they are `RetiredRows.LEAVE_AT` of it: each exit copies the
+        remaining rows' cache once): the target's cache, the drafter's and the strategy's state keep the other
+        rows; what the output needs of the finished ones is kept aside (`RetiredRows`); the cost rule prices the
+        smaller batch."""
+        keep, gone = (~self.finished).nonzero().squeeze(1), self.finished.nonzero().squeeze(1)
+        self.retired.add(self.rows[gone], gone, self.buffer, self.target)
+        self.keep_rows(keep)
+        self.stats.time_compact += self.clock.lap()
+
+    # ---- rows that join and leave between rounds (`_retire`; a serving engine's batch)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Only rows `keep` `(B',)` stay, in that order, in every part of the run (between rounds); the cost rule
+        prices the new batch."""
+        for part in (self.buffer, self.target, self.drafter, self.strategy, self.stopper, self.processors):
+            part.keep_rows(keep)
+        self.finished, self.first_real, self.rows = self.finished[keep], self.first_real[keep], self.rows[keep]
+        self.batch_size = int(keep.shape[0])
+        self._batch_changed()
+
+    def join(self, other: "Decoding") -> None:
+        """The rows of `other` follow this run's (between rounds): `other` is a run of the same target, drafter,
+        strategy and decoding mode, prefilled and handed off before its first round (`speculative_decode(...,
+        handoff=True)`); each row keeps its own limits and logits processors. `other` is spent; its scope stays
+        the caller's to close."""
+        if other.strategy_class is not self.strategy_class or other.do_sample != self.do_sample:
+            raise ValueError("a run joins a batch of the same strategy and decoding mode (greedy or sampling).")
+        if other.model is not self.model or other.assistant_model is not self.assistant_model:
+            raise ValueError("a run joins a batch of the same target and drafter.")
+        for run in (self, other):
+            if run.streamer is not None or run.row_scores is not None or run.row_logits is not None:
+                raise ValueError("a joined run streams through the engine: no streamer, scores or logits.")
+            if not all(row_free(processors) for _, processors in run.processors.groups):
+                raise ValueError("rows with logits processors that keep per-row state cannot join other requests.")
+        if bool(other.finished.any()):
+            raise ValueError("only unfinished rows join a batch.")
+        other_rows = other.batch_size
+        self.buffer.join(other.buffer)
+        self.stopper.join(other.stopper, self.batch_size, other_rows, self.device)
+        self.processors.join(other.processors)
+        self.target.join(other.target)
+        self.drafter.join(other.drafter)
+        self.strategy.join(other.strategy)
+        self.finished = torch.cat([self.finished, other.finished])
+        self.first_real = torch.cat([self.first_real, other.first_real])
+        self.rows = torch.cat([self.rows, other.rows + self.trace.batch_size])
+        self.trace.batch_size += other_rows
+        self.batch_size += other_rows
+        self._batch_changed()
+
+    def _batch_changed(self) -> None:
+        if self.cost is not None:
+            self.cost.use_profile(self._cost_profile(), self.batch_size)
+            if self.pricing is not None:
+                self.pricing.forget_timings()  # drafter forwards of the other batch size
+
+    def _draft(self, active: torch.Tensor) -> tuple:
+        """This round's tree, and whether drafting paused (the tree is the root alone)."""
+        drafter, buffer = self.drafter, self.buffer
+        # deepest useful draft: the bonus token needs one slot of the remaining budget; a finished row drafts
+        # nothing (its tokens are dropped, and nodes of it would weigh in the pricing of drafting and verification)
+        max_depth = (self.stopper.room(buffer) - 1).clamp_min(0)
+        max_depth = torch.where(active, max_depth, 0)
+        model_time = drafter.model_time
+        paused = (drafter.may_pause and self.strategy.may_pause and self.cost is not None
+                  and self.cost.pause_drafting(int(active.sum()) if self.cost.live_scale else None))
+        if paused:  # drafting does not pay on this text now: verify the root alone (a plain step)
+            tree = drafter.root_tree()
+            self.stats.paused_rounds += 1
+        else:
+            process = self._process_draft if len(self.processors) else None
+            tree = drafter.draft(self.strategy, process, max_depth, sample=self.do_sample,
+                                 committed=(buffer.ids, buffer.lengths, self.first_real), pricing=self.pricing)
+        elapsed = self.clock.lap()
+        drafting = drafter.model_time - model_time
+        self.stats.time_draft += drafting
+        self.stats.time_tree += elapsed - drafting
+        return tree, paused
+
+    def _process_draft(self, logits, paths, depths, valid):
+        return self.processors.apply(self.buffer, paths, depths, logits, valid)
+
+    def _trim(self, tree, active: torch.Tensor):
+        """Verify only what pays for its marginal cost (the cost rule)."""
+        drafted = tree.num_drafted()
+        tree = tree.subset(self.cost.prune(tree)[0])
+        self.trace.pruned += ((drafted - tree.num_drafted()) * active).sum()
+        self.stats.time_tree += self.clock.lap()
+        return tree
+
+    def _verify(self, tree) -> tuple:
+        """ONE target forward over the tree: `(logits (B, N, V) float32, hidden states or None, seconds)`."""
+        target, drafter = self.target, self.drafter
+        model_time = target.model_time
+        with drafter.verify_scope():  # the target's states feed a block drafter's context: same forward
+            indices = drafter.target_states()
+            outputs = target.forward(tree.tokens, tree.parents, tree.valid, states=indices)
+        elapsed = self.clock.lap()
+        seconds = target.model_time - model_time
+        self.stats.time_verify += seconds
+        self.stats.time_tree += elapsed - seconds
+        hidden = outputs.hidden_states if indices is not None else None
+        return outputs.logits.to(torch.float32), hidden, seconds
+
+    def _accept(self, tree, raw: torch.Tensor, active: torch.Tensor, paused: bool) -> "_Accepted":
+        """The longest accepted path + bonus per row, appended, streamed and checked for stopping."""
+        scores = raw
+        if len(self.processors):
+            scores = self.processors.apply(self.buffer, tree.path_tokens(), tree.depths, raw, tree.valid)
+        choice = None
+        if self.do_sample:
+            path_index, accept_length, bonus = sample_accept(tree, torch.softmax(scores, dim=-1))
+        else:
+            choice = scores.argmax(-1)  # (B, N) the target's greedy token after each node
+            path_index, accept_length, bonus = ops.greedy_accept(tree.tokens, tree.parents, tree.valid, choice,
+                                                                 tree.num_levels)
+        new_tokens = torch.cat([tree.tokens.gather(1, path_index[:, 1:]), bonus[:, None]], dim=1)
+        new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
+        counts, done = self.stopper.cut(self.buffer, new_tokens, torch.where(active, accept_length + 1, 0))
+        counts = torch.where(active, counts, 0)
+        if self.row_scores is not None or self.row_logits is not None:
+            scores, raw = scores.gather(1, _expand(path_index, scores)), raw.gather(1, _expand(path_index, raw))
+        self._emit(new_tokens, counts, scores, raw)
+        self.finished |= done & active
+        self.stats.rounds += 1
+        self.trace.record(active, tree.num_drafted(), accept_length, self.strategy.round_values(), self.rows)
+        if not paused:  # a root-only round says nothing about the strategy's trees
+            self.strategy.observe(accept_length, active)
+        self.stats.time_accept += self.clock.lap()
+        return _Accepted(path_index, accept_length, bonus, counts, choice)
+
+    def _commit(self, tree, accepted: "_Accepted", hidden) -> None:
+        """Keep the accepted path in the target's cache and the drafter's state."""
+        keep = int(accepted.accept_length.max()) + 1
+        offsets = torch.arange(keep, device=self.device)[None, :]
+        self.target.commit(accepted.path_index[:, :keep], offsets <= accepted.accept_length[:, None])
+        visual_time = self.drafter.visual_time
+        self.drafter.finish_round(VerifiedRound(tree, accepted.path_index, accepted.accept_length, accepted.bonus,
+                                                hidden))
+        self.stats.time_visual += self.drafter.visual_time - visual_time
+        self.stats.time_compact += self.clock.lap()
+
+    def _emit(self, tokens, counts, scores, raw) -> None:
+        """Append each row's first `counts` tokens, stream them, and record their scores / logits if asked."""
+        self.buffer.append(tokens, counts)
+        if self.streamer is not None and int(counts[0]) > 0:
+            self.streamer.put(tokens[:, : int(counts[0])].cpu())
+        if self.row_scores is None and self.row_logits is None:
+            return
+        for row, (original, count) in enumerate(zip(self.rows.tolist(), counts.tolist())):
+            if self.row_scores is not None:
+                self.row_scores[original].extend(scores[row, :count])
+            if self.row_logits is not None:
+                self.row_logits[original].extend(raw[row, :count])
+
+    # ---- finish
+
+    def finish(self):
+        """What `generate` returns; a corrected cost curve is kept for the next call."""
+        stats, buffer = self.stats, self.buffer
+        if self.streamer is not None:
+            self.streamer.end()
+        if self.cost is not None:  # a stored cost curve that these rounds contradict is corrected for the next call
+            self.cost.refine_profile()
+        if self.pricing is not None:
+            stats.unpaid_levels = self.pricing.stopped_levels
+        self.trace.finish(stats)
+        # a final round that ended the call was not committed: its tree is still the cache's tail
+        last_round = self.last_round if self.target.has_tail else None
+        stats.retired_rows = self.trace.batch_size - self.batch_size
+        if stats.retired_rows:  # rows that left the batch come back, in order
+            self.retired.restore_buffer(buffer, self.rows)
+            if self.retired.keep_cache:
+                commit_last_round(self.target, last_round)
+                self.retired.restore_cache(self.target, self.rows)
+                last_round = None
+        stats.new_tokens = int((buffer.lengths - buffer.prompt_length).sum())
+        stats.time_total = clock.now() - self.start_time
+        sequences = buffer.sequences()
+        if not self.generation_config.return_dict_in_generate:
+            return sequences
+        return SpecGenerateOutput(
+            sequences=sequences,
+            scores=_stack_steps(self.row_scores, buffer, sequences),
+            logits=_stack_steps(self.row_logits, buffer, sequences),
+            spec_stats=stats,
+            **{CACHE_FIELD: returned_cache(self.target, buffer, last_round)},
+        )
+
+
+@dataclass
+class _Accepted:
+    path_index: torch.Tensor  # (B, D + 1) accepted nodes, root first
+    accept_length: torch.Tensor  # (B,) accepted draft tokens
+    bonus: torch.Tensor  # (B,) the target's next token
+    counts: torch.Tensor  # (B,) tokens appended (0 for rows already finished)
+    choice: torch.Tensor | None  # (B, N) the target's greedy token after each node (greedy decoding)
+
+
+@contextlib.contextmanager
+def _prefill_positions(model):
+    """Records the position ids the model's forward receives in the prefill: `prepare_inputs_for_generation`
+    may shift those `generate` prepared (PaliGemma counts from 1), and rounds must continue the same way."""
+    used = {}
+
+    def record(module, args, kwargs):
+        if "position_ids" not in used and kwargs.get("position_ids") is not None:
+            used["position_ids"] = kwargs["position_ids"]
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield used
+    finally:
+        handle.remove()
+
+
+def _expand(path_index, values):
+    return path_index[..., None].expand(-1, -1, values.shape[-1])
+
+
+class _RoundTrace:
+    """Per-round statistics kept on the device and read back once at the end (no host sync per round)."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.active, self.drafted, self.accepted = [], [], []
+        self.values = {}  # name -> [(B,) per round]: what the strategy reports
+        self.rows = []  # per round: the call's row of each of its rows (fewer once rows left the batch)
+        self.pruned = 0  # draft nodes trimmed by the cost model (a device scalar once a round adds to it)
+
+    def record(self, active, drafted, accepted, values: dict, rows: torch.Tensor):
+        """One round's `(B,)` values, `rows` the call's row of each."""
+        self.rows.append(rows)
+        self.active.append(active)
+        self.drafted.append(drafted)
+        self.accepted.append(accepted)
+        for name, value in values.items():
+            self.values.setdefault(name, []).append(value)
+
+    def finish(self, stats: SpecStats) -> None:
+        stats.pruned_tokens = int(self.pruned)
+        if not self.active:
+            return
+        stack = self._stack
+        active = stack(self.active)  # (rounds * B,) in round order, the call's rows within a round
+        accepted = stack(self.accepted)[active]
+        stats.row_rounds = int(active.sum())
+        stats.drafted_tokens = int(stack(self.drafted)[active].sum())
+        stats.accepted_tokens = int(accepted.sum())
+        stats.accepted_lengths = accepted.tolist()
+        stats.round_values = {name: stack(v)[active].tolist() for name, v in self.values.items()}
+
+    def _stack(self, per_round: list) -> torch.Tensor:
+        """`(rounds * B,)`: each round's values at the call's rows; rows that had left the batch hold zeros
+        (inactive)."""
+        full = []
+        for value, rows in zip(per_round, self.rows):
+            if rows.shape[0] != self.batch_size:
+                value = value.new_zeros((self.batch_size,)).index_copy_(0, rows, value)
+            full.append(value)
+        return torch.stack(full).flatten()
+
+
+def _stack_steps(per_row, buffer, sequences):
+    """Per-step `(B, V)` tensors like plain generate; rows that already ended get zeros."""
+    if per_row is None:
+        return None
+    steps = sequences.shape[1] - buffer.prompt_length
+    vocab = next(t for row in per_row for t in row).shape[-1]
+    out = []
+    for step in range(steps):
+        out.append(torch.stack([
+            row[step] if step < len(row) else torch.zeros(vocab, device=sequences.device) for row in per_row
+        ]))
+    return tuple(out)
