@@ -79,7 +79,7 @@ def test_load_sweep_and_arrivals_on_tiny_models(tmp_path, monkeypatch):
     assert output["exit_code"] == 0
     sweep = output["load_sweep"]
     assert sweep["ok"], sweep["failures"]
-    names = ["plain", "chain1", "chain2", "chain4", "chain8", "tree8", "tree16", "sage"]
+    names = ["plain", "plain_mode", "chain1", "chain2", "chain4", "chain8", "tree8", "tree16", "sage"]
     assert list(sweep["methods"]) == names
     assert sweep["methods"]["chain4"]["strategy"] == "chain" and sweep["methods"]["tree8"]["strategy"] == "static_tree"
     assert sweep["methods"]["sage"]["spec_config"] == {"verify_cost": True}
@@ -89,7 +89,7 @@ def test_load_sweep_and_arrivals_on_tiny_models(tmp_path, monkeypatch):
     assert [(r["level"], r["method"]) for r in records] == [(b, m) for b in (1, 3) for m in names]
     for r in records:
         assert r["error"] is None and r["matches_plain"] is True, r
-        assert r["tokens_per_s"] > 0 and r["speedup_vs_plain"] > 0
+        assert r["tokens_per_s"] > 0 and r["speedup_vs_plain"] > 0 and r["speedup_vs_plain_mode"] > 0
         assert r["new_tokens"] == sum(r["row_tokens"]) and len(r["row_tokens"]) == r["level"]
         if r["family"] == "fixed":
             assert 0 < r["nodes_per_round"] <= sweep["methods"][r["method"]]["size"]
@@ -116,7 +116,7 @@ def test_load_sweep_and_arrivals_on_tiny_models(tmp_path, monkeypatch):
     arrivals = output["arrivals"]
     assert arrivals["ok"], arrivals["failures"]
     assert arrivals["arrival_times"] == bench_load.make_arrivals("bursty", 20, 5, seed=4)
-    assert list(arrivals["methods"]) == ["plain", "chain4", "sage"]
+    assert list(arrivals["methods"]) == ["plain", "plain_mode", "chain4", "sage"]
     for name, summary in arrivals["methods"].items():
         assert summary["error"] is None and summary["failures"] == 0
         assert summary["requests"] == 5 and summary["tokens"] == 5 * MAX_NEW and summary["tokens_per_s"] > 0
@@ -127,6 +127,10 @@ def test_load_sweep_and_arrivals_on_tiny_models(tmp_path, monkeypatch):
             assert request["latency"] == pytest.approx(request["finish"] - request["arrival"])
             assert request["latency"] > 0
     assert arrivals["methods"]["plain"]["mean_latency_vs_plain"] == pytest.approx(1.0)
+    assert arrivals["methods"]["plain_mode"]["tokens_per_s_vs_plain_mode"] == pytest.approx(1.0)
+    assert sweep["methods"]["plain_mode"] == {"family": "plain_mode", "strategy": "plain", "spec_config": None,
+                                              "size": None}
+    assert "/ over the plain mode" in markdown and "| plain_mode |" in markdown
     assert "| chain4 |" in (out / "arrivals.md").read_text()
     assert json.loads((out / "arrivals.json").read_text())["settings"]["arrivals"] == "bursty"
 
@@ -138,7 +142,8 @@ def test_load_sweep_and_arrivals_on_tiny_models(tmp_path, monkeypatch):
 def test_load_sweep_with_a_laspec_drafter():
     models = _models()
     methods, skipped = bench_load.load_methods(True, ["laspec", "sage"], block_size=4)
-    assert [m.name for m in methods] == ["plain", "chain1", "chain2", "chain4", "tree8", "tree16", "laspec", "sage"]
+    assert [m.name for m in methods] == ["plain", "plain_mode", "chain1", "chain2", "chain4", "tree8", "tree16",
+                                         "laspec", "sage"]
     assert set(skipped) == {"chain8"}  # deeper than the drafter's block
     chain2 = next(m for m in methods if m.name == "chain2")
     assert chain2.strategy == "laspec" and chain2.spec_config["top_k"] == 1 and chain2.spec_config["n_max"] == 2
@@ -156,8 +161,10 @@ def test_fixed_picks_the_fixed_structures(tmp_path):
     assert bench_load.fixed_structures(None) == (bench_load.CHAIN_LENGTHS, bench_load.TREE_SIZES)
     assert bench_load.fixed_structures(["tree8", "chain2", "chain1", "chain2"]) == ((2, 1), (8,))
     results = _run_load(tmp_path, "--load-sweep", "2", "--fixed", "chain2", "tree4")["load_sweep"]
-    assert list(results["methods"]) == ["plain", "chain2", "tree4", "sage"]
-    assert {r["method"] for r in results["records"]} == {"plain", "chain2", "tree4", "sage"}
+    assert list(results["methods"]) == ["plain", "plain_mode", "chain2", "tree4", "sage"]
+    assert {r["method"] for r in results["records"]} == {"plain", "plain_mode", "chain2", "tree4", "sage"}
+    without = _run_load(tmp_path, "--load-sweep", "2", "--fixed", "chain2", "--no-plain-mode")["load_sweep"]
+    assert list(without["methods"]) == ["plain", "chain2", "sage"]
     assert all(r["matches_plain"] for r in results["records"])
 
 

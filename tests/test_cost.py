@@ -342,6 +342,23 @@ def test_a_batch_prices_a_token_at_its_share_of_a_step():
     assert float(single.seconds_per_token) == pytest.approx(0.32)
 
 
+@pytest.mark.measured_cost
+def test_the_rates_of_a_batch_size_survive_its_changes():
+    """A serving batch changes size every few rounds: the drafted / root-only rates of each size are kept while the
+    batch has another size, so the pause rule still decides (rates of different sizes never mix)."""
+    profiles = {rows: CostProfile(sizes=[1, 2], seconds=[0.1 * rows, 0.12 * rows]) for rows in (4, 5)}
+    model = CostModel(profiles[4], max_tokens=8, device="cpu", rows=4)
+    for round_index in range(2 * CostModel.MIN_DRAFTED_ROUNDS):
+        rows = 4 if round_index % 2 == 0 else 5  # a request joins, another leaves, ...
+        model.use_profile(profiles[rows], rows)
+        model.observe_rate(True, round_seconds=0.8 if rows == 4 else 0.05, tokens=rows)
+    model.use_profile(profiles[4], 4)
+    assert model.drafted_rate == pytest.approx(0.2)  # 4 rows: 0.8 s per 4 tokens, never mixed with 5 rows' rate
+    assert model.pause_drafting(active_rows=4)  # slower than a root-only step at 4 rows (T(1) = 0.4 s / 4 tokens)
+    model.use_profile(profiles[5], 5)
+    assert model.drafted_rate == pytest.approx(0.01) and not model.pause_drafting(active_rows=5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
 def test_paused_rounds_keep_the_output_exact(arch, monkeypatch):
     from hf_adaptive_spec.drafters.laspec import LaSpecDrafterConfig, LaSpecDrafterModel

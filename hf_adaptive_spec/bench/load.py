@@ -159,7 +159,8 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
     target, tokenizer, drafter, load_seconds = _load_models(args, laspec, model_loader)
     block_size = getattr(getattr(drafter, "config", None), "block_size", None) if laspec else None
     chains, trees = fixed_structures(getattr(args, "fixed", None))
-    methods, skipped = load_methods(laspec, adaptive, spec_configs, block_size, chains, trees)
+    methods, skipped = load_methods(laspec, adaptive, spec_configs, block_size, chains, trees,
+                                    plain_mode=not getattr(args, "no_plain_mode", False))
     pad_token_id = pad_id(tokenizer)
     sizes = list(levels) + (list(range(1, args.max_batch + 1)) if args.arrivals else [])
     prepared = _prepare(target, drafter, methods, sizes)

@@ -13,7 +13,7 @@ from ..cost import SpecCalibration
 from .inputs import encode_prompt
 from .methods import sync
 from .report import jsonable
-from .stats import PLAIN
+from .stats import PLAIN, PLAIN_MODE
 
 __all__ = ["CHAIN_LENGTHS", "LASPEC_FIXED", "LASPEC_TREE_TOP_K", "LINEAR_CHAIN", "STATIC_TREE_DEPTH", "TREE_SIZES",
            "WARMUP_TOKENS", "BatchRun", "LoadMethod", "arrival_methods", "decode_batch", "encoder", "eos_ids",
@@ -36,8 +36,9 @@ class LoadMethod:
     """One way to decode a batch.
 
     Fields:
-        name: ``"plain"``, ``"chain{k}"``, ``"tree{n}"`` or the adaptive strategy's name.
-        family: ``"plain"``, ``"fixed"`` (a structure set in advance, cost rule off) or ``"adaptive"`` (the
+        name: ``"plain"``, ``"plain_mode"``, ``"chain{k}"``, ``"tree{n}"`` or the adaptive strategy's name.
+        family: ``"plain"``, ``"plain_mode"`` (`spec_strategy="plain"`: the library's rounds without a drafter,
+            the second baseline), ``"fixed"`` (a structure set in advance, cost rule off) or ``"adaptive"`` (the
             strategy's rule with the cost rule on).
         strategy: the `spec_strategy` (None for plain).
         spec_config: the strategy's `spec_config` dict (None for plain).
@@ -56,6 +57,8 @@ class LoadMethod:
         """The speculative `generate` arguments of this method (none for plain)."""
         if self.family == "plain":
             return {}
+        if self.family == "plain_mode":
+            return {"spec_strategy": "plain"}
         return {"assistant_model": drafter, "spec_strategy": self.strategy,
                 "spec_config": None if self.spec_config is None else dict(self.spec_config),
                 "spec_calibration": self.calibration}
@@ -67,8 +70,9 @@ class LoadMethod:
 
 def load_methods(laspec: bool, adaptive: Sequence[str], spec_configs: Optional[dict] = None,
                  block_size: Optional[int] = None, chain_lengths: Sequence[int] = CHAIN_LENGTHS,
-                 tree_sizes: Sequence[int] = TREE_SIZES) -> tuple:
-    """The methods of the load modes, in their base order: plain, the fixed chains and trees, the adaptive rules.
+                 tree_sizes: Sequence[int] = TREE_SIZES, plain_mode: bool = True) -> tuple:
+    """The methods of the load modes, in their base order: plain, the plain mode, the fixed chains and trees, the
+    adaptive rules.
 
     Args:
         laspec: True for a LaSpec drafter (fixed structures through `laspec`), False for an independent one
@@ -77,6 +81,8 @@ def load_methods(laspec: bool, adaptive: Sequence[str], spec_configs: Optional[d
         spec_configs: `{strategy: spec_config dict}` for the adaptive methods (over the cost rule on).
         block_size: a LaSpec drafter's block size: chains longer than it are left out (it drafts no deeper).
         chain_lengths / tree_sizes: the fixed structures.
+        plain_mode: also run ``plain_mode`` (`spec_strategy="plain"`), the library's forward without a drafter:
+            what the faster forward alone gives, so each method's share from speculation shows.
 
     Returns:
         `(methods, skipped)`: a list of `LoadMethod` and `{name: reason}` of the fixed structures left out.
@@ -85,6 +91,8 @@ def load_methods(laspec: bool, adaptive: Sequence[str], spec_configs: Optional[d
 
     spec_configs = spec_configs or {}
     methods, skipped = [LoadMethod(PLAIN, "plain")], {}
+    if plain_mode:
+        methods.append(LoadMethod(PLAIN_MODE, "plain_mode", "plain"))
     for k in chain_lengths:
         name = f"chain{k}"
         if laspec:
@@ -110,11 +118,11 @@ def load_methods(laspec: bool, adaptive: Sequence[str], spec_configs: Optional[d
 
 
 def arrival_methods(methods: Sequence[LoadMethod]) -> list:
-    """The arrivals' methods: plain, the linear verification (``chain4``, else the longest chain) and every
-    adaptive method."""
+    """The arrivals' methods: plain, the plain mode, the linear verification (``chain4``, else the longest chain)
+    and every adaptive method."""
     chains = [m for m in methods if m.family == "fixed" and m.name.startswith("chain")]
     linear = next((m for m in chains if m.size == LINEAR_CHAIN), max(chains, key=lambda m: m.size, default=None))
-    chosen = [m for m in methods if m.family == "plain"] + ([linear] if linear is not None else [])
+    chosen = [m for m in methods if m.family in ("plain", "plain_mode")] + ([linear] if linear is not None else [])
     return chosen + [m for m in methods if m.family == "adaptive"]
 
 

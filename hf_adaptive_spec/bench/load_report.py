@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .load_batches import WARMUP_TOKENS
 from .report import figure, fmt, save_figures
-from .stats import PLAIN
+from .stats import PLAIN, PLAIN_MODE
 
 __all__ = ["PLOT_FILES", "arrivals_markdown", "arrivals_table", "sweep_markdown", "sweep_tables",
            "write_load_plots"]
@@ -69,7 +69,10 @@ def sweep_tables(results: dict) -> dict:
             return "FAIL" if r is not None else "–"
         text = f"{r['tokens_per_s']:.1f}"
         if r["method"] != PLAIN and r.get("speedup_vs_plain") is not None:
-            text += f" ({r['speedup_vs_plain']:.2f}x)"
+            ratios = f"{r['speedup_vs_plain']:.2f}x"
+            if r["method"] != PLAIN_MODE and r.get("speedup_vs_plain_mode") is not None:
+                ratios += f" / {r['speedup_vs_plain_mode']:.2f}x"
+            text += f" ({ratios})"
         return text + (" FAIL" if r["matches_plain"] is False or r["error"] else "")
 
     def size(r):
@@ -78,13 +81,14 @@ def sweep_tables(results: dict) -> dict:
         return f"{r['nodes_per_round']:.2f} ({r['candidates_per_round']:.2f})"
 
     best_row = "| best fixed | " + " | ".join(
-        f"{best[b]['method']} {best[b]['tokens_per_s']:.1f} ({fmt(best[b]['speedup_vs_plain'])}x)"
+        f"{best[b]['method']} {best[b]['tokens_per_s']:.1f} ({fmt(best[b]['speedup_vs_plain'])}x"
+        + (f" / {fmt(best[b]['speedup_vs_plain_mode'])}x" if best[b].get("speedup_vs_plain_mode") else "") + ")"
         if b in best else "–" for b in levels) + " |"
     return {
         "throughput": [head, rule] + [row(name, throughput) for name in methods] + [best_row],
         "tau": [head, rule] + [row(name, lambda r: "–" if r is None else fmt(r.get("tau")))
                                for name in methods],
-        "sizes": [head, rule] + [row(name, size) for name in methods if name != PLAIN],
+        "sizes": [head, rule] + [row(name, size) for name in methods if name not in (PLAIN, PLAIN_MODE)],
     }
 
 
@@ -95,13 +99,15 @@ def sweep_markdown(results: dict) -> str:
     lines += [f"- {name}: not run ({reason})" for name, reason in results["skipped_methods"].items()]
     lines += ["", "b: rows decoding together (the first b prompts, left-padded). Throughput: new tokens over all rows "
               "(each up to its EOS) / seconds of the batch's `generate`; speedup: plain's seconds / the method's, "
-              "same batch. tau: tokens per row and target verification forward. Nodes per round: draft nodes "
+              "same batch, then after a slash the plain mode's seconds / the method's (plain_mode: "
+              "spec_strategy='plain', the library's forward without a drafter: the share of a speedup that is "
+              "speculation). tau: tokens per row and target verification forward. Nodes per round: draft nodes "
               "verified per row and round (SpecStats drafted_tokens / row_rounds; root not counted); in brackets "
               "the candidates before the cost rule trimmed them. best fixed: the fixed structure of highest "
               "throughput at that level, picked after the fact from these runs.", ""]
     lines += _failure_lines(results["failures"])
     tables = sweep_tables(results)
-    lines += ["## Throughput (tokens/s; speedup over plain)", ""] + tables["throughput"]
+    lines += ["## Throughput (tokens/s; speedup over plain / over the plain mode)", ""] + tables["throughput"]
     lines += ["", "## tau", ""] + tables["tau"]
     lines += ["", "## Structure verified: draft nodes per row and round (candidates before the cost rule)", ""]
     lines += tables["sizes"]
@@ -132,17 +138,18 @@ def arrivals_markdown(results: dict) -> str:
 def arrivals_table(results: dict) -> list:
     """The arrivals' Markdown table (latency, throughput, tau and structure per method), as lines."""
     lines = ["| method | mean latency s | p90 latency s | max latency s | mean latency vs plain | tokens/s "
-             "| vs plain | requests/s | batches | mean batch | busy s | tau | nodes/round |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| vs plain | vs plain mode | requests/s | batches | mean batch | busy s | tau | nodes/round |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in results["methods"].items():
         if m.get("error"):
-            lines.append(f"| {name} | **FAIL**: {m['error']} |" + " |" * 12)
+            lines.append(f"| {name} | **FAIL**: {m['error']} |" + " |" * 13)
             continue
         cells = [fmt(m["mean_latency_s"], 3), fmt(m["p90_latency_s"], 3),
                  fmt(m["max_latency_s"], 3),
                  "1.00x" if name == PLAIN else fmt(m.get("mean_latency_vs_plain"), 2, "x"),
                  fmt(m.get("tokens_per_s"), 1),
                  "1.00x" if name == PLAIN else fmt(m.get("tokens_per_s_vs_plain"), 2, "x"),
+                 "1.00x" if name == PLAIN_MODE else fmt(m.get("tokens_per_s_vs_plain_mode"), 2, "x"),
                  fmt(m["requests_per_s"], 3), str(m["batches"]),
                  fmt(m["mean_batch_size"]), fmt(m["busy_s"], 1),
                  fmt(m.get("tau")), fmt(m.get("nodes_per_round"))]
@@ -178,7 +185,7 @@ def _load_axes(fig, results, ylabel):
 
 
 def _plot_structure(results):
-    spec = [name for name, m in results["methods"].items() if m["family"] != "plain"]
+    spec = [name for name, m in results["methods"].items() if m["family"] not in ("plain", "plain_mode")]
     if not any(_series(results, name, "nodes_per_round")[0] for name in spec):
         return None
     fig = figure(6.5, 4.2)
@@ -209,7 +216,8 @@ def _plot_throughput(results):
         if not xs:
             continue
         family = results["methods"][name]["family"]
-        style = {"plain": dict(color="black", linewidth=2), "adaptive": dict(linewidth=2, marker="o"),
+        style = {"plain": dict(color="black", linewidth=2), "plain_mode": dict(color="gray", linewidth=2),
+                 "adaptive": dict(linewidth=2, marker="o"),
                  "fixed": dict(linewidth=0.9, linestyle="--", marker=".")}[family]
         ax.plot(xs, ys, label=name, **style)
     best = results["best_fixed"]

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from .load_batches import (WARMUP_TOKENS, BatchRun, LoadMethod, decode_batch, encoder, eos_ids, left_pad,
                            mismatched_rows, pad_id, prompt_id, show, step, structure_stats)
 from .report import describe
-from .stats import PLAIN
+from .stats import PLAIN, PLAIN_MODE
 
 __all__ = ["best_fixed", "failures_of", "run_load_sweep"]
 
@@ -82,18 +82,20 @@ def run_load_sweep(target, tokenizer, drafter, prompts: Sequence, levels: Sequen
                 step(progress)
         position = {method.name: i for i, method in enumerate(order)}
         reference = min(passes[PLAIN], key=lambda run: run.seconds) if passes.get(PLAIN) else None
+        mode = min(passes[PLAIN_MODE], key=lambda run: run.seconds) if passes.get(PLAIN_MODE) else None
         for method in methods:  # a method that failed in any pass is recorded by its error alone
             runs = [] if method.name in errors else passes[method.name]
             records.append(_sweep_record(level, method, runs, errors.get(method.name), reference,
-                                         position[method.name]))
+                                         position[method.name], mode))
     return {"records": records, "levels": level_info, "best_fixed": best_fixed(records),
             "warmup_errors": warmup_errors, "failures": failures_of(records)}
 
 
 def _sweep_record(level: int, method: LoadMethod, runs: Sequence[BatchRun], error: Optional[str],
-                  reference: Optional[BatchRun], order: int) -> dict:
+                  reference: Optional[BatchRun], order: int, mode: Optional[BatchRun] = None) -> dict:
     """One (level, method) record of the sweep from the method's timed passes `runs` (its fastest is scored;
-    every pass's rows are checked against `reference`, plain's fastest pass)."""
+    every pass's rows are checked against `reference`, plain's fastest pass; `mode`: the plain mode's fastest
+    pass, the second baseline)."""
     record = {"level": level, "method": method.name, "family": method.family, "order": order, "error": error,
               "matches_plain": None, "mismatched_rows": None}
     if not runs:
@@ -104,7 +106,9 @@ def _sweep_record(level: int, method: LoadMethod, runs: Sequence[BatchRun], erro
                   row_tokens=[len(row) for row in run.rows],
                   tokens_per_s=new_tokens / run.seconds if run.seconds > 0 else None,
                   speedup_vs_plain=(reference.seconds / run.seconds
-                                    if reference is not None and run.seconds > 0 else None))
+                                    if reference is not None and run.seconds > 0 else None),
+                  speedup_vs_plain_mode=(mode.seconds / run.seconds if mode is not None and run.seconds > 0
+                                         else None))
     record.update(structure_stats(run.stats))
     if reference is not None:
         mismatched = sorted({row for each in runs for row in mismatched_rows(reference.rows, each.rows)})
@@ -125,7 +129,8 @@ def best_fixed(records: Sequence[dict]) -> list:
             continue
         if r["level"] not in best or r["tokens_per_s"] > best[r["level"]]["tokens_per_s"]:
             best[r["level"]] = {key: r.get(key) for key in
-                                ("level", "method", "tokens_per_s", "speedup_vs_plain", "tau", "nodes_per_round")}
+                                ("level", "method", "tokens_per_s", "speedup_vs_plain", "speedup_vs_plain_mode",
+                                 "tau", "nodes_per_round")}
     levels = list(dict.fromkeys(r["level"] for r in records))
     return [best[level] for level in levels if level in best]
 

@@ -45,7 +45,7 @@ def served_methods(laspec: bool, adaptive: Sequence[str], chain_lengths: Sequenc
     """Speculation off, the fixed structures and the adaptive rules (`load_batches.load_methods`), as engines run
     them: the load sweep's ``plain`` (stock generate) becomes ``off`` (strategy `plain` in the engine)."""
     methods, _ = load_methods(laspec, adaptive, block_size=block_size, chain_lengths=chain_lengths,
-                              tree_sizes=tree_sizes)
+                              tree_sizes=tree_sizes, plain_mode=False)  # `off` is the plain mode, served
     return [LoadMethod(OFF, "plain", "plain") if m.family == "plain" else m for m in methods]
 
 

@@ -59,6 +59,10 @@ class CostModel:
         self._plain = [0.0, 0.0]
         self._drafted_rounds = 0
         self._paused_in_a_row = 0
+        # the rates of each batch size seen, kept while the batch has another size: a serving batch changes size
+        # every few rounds as requests join and leave, and rates that restarted at every change would never
+        # reach `MIN_DRAFTED_ROUNDS` (rates of different sizes are not comparable: a step's tokens grow with rows)
+        self._rates_by_rows: dict[int, tuple] = {}
         self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
     def _set_widths(self, profile: CostProfile, max_tokens: int, device) -> None:
@@ -70,8 +74,13 @@ class CostModel:
 
     def use_profile(self, profile: CostProfile, rows: int) -> None:
         """Price on `profile` from now on, the profile of a batch of `rows` (the batch changed size): this call's
-        forwards first correct the profile they ran against (`refine_profile`); the live scale and the drafted /
-        undrafted rates restart."""
+        forwards first correct the profile they ran against (`refine_profile`); the live scale restarts; the
+        drafted / undrafted rates continue those of the last time the batch had `rows` rows (else restart)."""
+        if rows != self.rows:
+            self._rates_by_rows[self.rows] = (self._drafted, self._plain, self._drafted_rounds)
+            self._drafted, self._plain, self._drafted_rounds = self._rates_by_rows.pop(
+                rows, ([0.0, 0.0], [0.0, 0.0], 0))
+            self._paused_in_a_row = 0
         self.rows = rows
         if profile is self.profile:
             return
@@ -82,8 +91,6 @@ class CostModel:
         self._set_widths(profile, len(self._seconds) - 2, self.table.device)
         self.calibration.profile, self.calibration.scale = profile, 1.0
         self.observed = {}
-        self._drafted, self._plain = [0.0, 0.0], [0.0, 0.0]
-        self._drafted_rounds = self._paused_in_a_row = 0
 
     # a paused call drafts again every `PROBE_EVERY` rounds, to see whether drafting pays again
     PROBE_EVERY = 8
