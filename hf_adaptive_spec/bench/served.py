@@ -246,6 +246,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", default=None, help="a prompts file (default: the load generator's list)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-prepare", action="store_true",
+                        help="skip measuring the verifier's cost curve at batch sizes 1..--max-batch before the runs "
+                             "(measured once per machine, then read from disk)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--time-limit", type=float, default=900.0, help="seconds per run at most")
     parser.add_argument("--out", default="bench_served")
@@ -274,6 +277,11 @@ def run(args) -> int:
     block_size = getattr(getattr(drafter, "config", None), "block_size", None) if laspec else None
     methods = served_methods(laspec, adaptive, chains, trees, block_size)
     prompts = tuple(load_prompts(args.prompts)) if args.prompts else DEFAULT_PROMPTS
+    if not args.no_prepare:  # the cost rule prices each batch size on its measured curve, as a prepared server's
+        from ..decoding.prepare import prepare
+
+        for strategy in dict.fromkeys(m.strategy for m in methods if m.family == "adaptive"):
+            prepare(target, drafter, strategy, batch_sizes=list(range(1, args.max_batch + 1)))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
