@@ -14,6 +14,7 @@ from .drafters.quantize import quantize_drafter
 from .decoding.integration import install, is_installed, uninstall
 from .decoding.loop import SpecGenerateOutput, SpecStats
 from .decoding.prepare import prepare
+from .runtime import RuntimeConfig
 from .drafters.vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .strategies import (
     STRATEGIES,
@@ -36,6 +37,7 @@ __all__ = [
     "LaSpecDrafterModel",
     "LaSpecDrafterOutput",
     "QueryCapture",
+    "RuntimeConfig",
     "VisualKeyStore",
     "register_auto_classes",
     "select_visual_tokens",

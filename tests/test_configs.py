@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from hf_adaptive_spec import ChainConfig, LaSpecConfig, SageConfig, StaticTreeConfig
+from hf_adaptive_spec import ChainConfig, LaSpecConfig, RuntimeConfig, SageConfig, StaticTreeConfig
+from hf_adaptive_spec.runtime import resolve_runtime
 
 CPU = torch.device("cpu")
 
@@ -79,9 +80,8 @@ BAD_VALUES = [
     (LaSpecConfig, "datastore_tokens", None, TypeError),
     (LaSpecConfig, "datastore_tokens", 0, ValueError),
 ]
-# the runtime settings every strategy takes
-BAD_VALUES += [(config_class, name, value, TypeError)
-               for config_class in (ChainConfig, StaticTreeConfig, SageConfig, LaSpecConfig)
+# the runtime settings (`spec_runtime`), apart from the strategies' configs
+BAD_VALUES += [(RuntimeConfig, name, value, TypeError)
                for name, value in (("cpu_kernels", "no"), ("compact_weights", 1), ("lean_forward", "yes"),
                                    ("host_trees", None), ("retire_rows", "yes"))]
 
@@ -190,8 +190,7 @@ def test_to_dict_from_dict_round_trip_through_json(config):
 
 def test_static_tree_paths_come_back_as_tuples():
     values = json.loads(json.dumps(StaticTreeConfig(paths=[(0,), (0, 1), (0, 0)]).to_dict()))
-    assert values == {"paths": [[0], [0, 0], [0, 1]], "cpu_kernels": None, "compact_weights": None,
-                      "lean_forward": None, "host_trees": True, "retire_rows": True}
+    assert values == {"paths": [[0], [0, 0], [0, 1]]}
     assert StaticTreeConfig.from_dict(values).paths == [(0,), (0, 0), (0, 1)]
 
 
@@ -218,7 +217,7 @@ def test_a_generation_config_saves_and_loads_its_spec_config(tmp_path, config):
 
 
 def test_runtime_settings_apply_to_their_call_only():
-    """`cpu_kernels`, `lean_forward` (and `compact_weights`) of a `spec_config` hold inside the call's rounds and
+    """`cpu_kernels`, `lean_forward` (and `compact_weights`) of a `spec_runtime` hold inside the call's rounds and
     nowhere else; the output stays plain greedy."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -237,10 +236,10 @@ def test_runtime_settings_apply_to_their_call_only():
             seen.append((cpu_linear.active(), lean.lean_forward(target) is not None))
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    def spec(**config):
+    def spec(**runtime):
         seen.clear()
         out = target.generate(**inputs, max_new_tokens=10, do_sample=False, assistant_model=drafter,
-                              spec_strategy="sage", spec_config=SageConfig(**config),
+                              spec_strategy="sage", spec_runtime=RuntimeConfig(**runtime),
                               stopping_criteria=StoppingCriteriaList([Record()]))
         assert torch.equal(out, expected) and seen
         return seen
@@ -255,5 +254,28 @@ def test_runtime_settings_apply_to_their_call_only():
     from dataclasses import fields
 
     runtime = {"cpu_kernels", "compact_weights", "lean_forward", "host_trees", "retire_rows"}
-    for config_class in (ChainConfig, StaticTreeConfig, SageConfig, LaSpecConfig):  # positional fields do not shift
-        assert all(f.kw_only for f in fields(config_class) if f.name in runtime)
+    for config_class in (ChainConfig, StaticTreeConfig, SageConfig, LaSpecConfig):  # what to verify only
+        assert not runtime & {f.name for f in fields(config_class)}
+
+
+def test_a_runtime_setting_in_spec_config_is_refused_naming_spec_runtime():
+    from tiny_models import build_drafter, build_model, make_inputs
+
+    with pytest.raises(TypeError, match=r"'retire_rows' is a runtime setting.*spec_runtime"):
+        SageConfig.from_dict({"retire_rows": False})
+    with pytest.raises(TypeError, match="RuntimeConfig has no field 'n_max'"):
+        resolve_runtime({"n_max": 3})
+    with pytest.raises(ValueError, match="spec_runtime must be"):
+        resolve_runtime(3)
+    assert resolve_runtime({"lean_forward": False}) == RuntimeConfig(lean_forward=False)
+    target = build_model("llama")
+    drafter = build_drafter("llama", target, "small")
+    inputs = make_inputs("llama", batch_size=1)
+    with pytest.raises(TypeError, match="spec_runtime"):
+        target.generate(**inputs, max_new_tokens=4, assistant_model=drafter, spec_strategy="chain",
+                        spec_config={"cpu_kernels": False})
+    with pytest.raises(ValueError, match="spec_runtime must be"):
+        target.generate(**inputs, max_new_tokens=4, assistant_model=drafter, spec_strategy="chain",
+                        spec_runtime="fast")
+    with pytest.raises(ValueError, match="spec_runtime sets how speculative rounds run"):
+        target.generate(**inputs, max_new_tokens=4, spec_runtime={"lean_forward": False})

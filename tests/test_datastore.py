@@ -154,7 +154,7 @@ def test_datastore_branch_is_accepted_exactly_as_far_as_the_store_agrees(arch, h
     out = target.generate(**inputs, max_new_tokens=new, do_sample=False, assistant_model=drafter,
                           spec_strategy="laspec", return_dict_in_generate=True,
                           spec_config={"verify_cost": False, "top_k": 1, "context_lookup": 0,
-                                       "datastore_tokens": 6, "host_trees": host_trees})
+                                       "datastore_tokens": 6}, spec_runtime={"host_trees": host_trees})
     assert torch.equal(out.sequences, expected)
     replayed = replay_accepted(expected[0].tolist(), prompt_length + 1, lambda row: store.propose(row, 6)[0])
     assert out.spec_stats.accepted_lengths == replayed

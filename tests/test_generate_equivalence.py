@@ -355,7 +355,7 @@ def test_returned_cache_of_a_sliding_window_model_continues_like_plain_generates
 
 def test_rows_that_end_early_draft_nothing_after(monkeypatch):
     """Once a row has emitted its end-of-sequence token it drafts nothing (depth limit 0) while the other row
-    goes on (rows kept in the batch: `retire_rows=False`, or processors that read a row's index); the output
+    goes on (rows kept in the batch: `spec_runtime={"retire_rows": False}`, or processors that read a row's index); the output
     still equals plain greedy."""
     from hf_adaptive_spec.drafters.independent import IndependentDrafter
 
@@ -374,7 +374,7 @@ def test_rows_that_end_early_draft_nothing_after(monkeypatch):
 
     monkeypatch.setattr(IndependentDrafter, "draft", recording)
     out = _spec(target, inputs, build_drafter("llama", target, "small"), "sage", eos_token_id=eos,
-                spec_config={"retire_rows": False})
+                spec_runtime={"retire_rows": False})
     assert torch.equal(out.sequences, plain)
     finished_at = next(i for i, (row0, _) in enumerate(limits) if row0 == 0)
     assert all(row0 == 0 for row0, _ in limits[finished_at:])

@@ -148,7 +148,7 @@ def test_generate_builds_host_trees_and_stays_exact(verify_cost, monkeypatch):
         expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
         before, priced_before = len(built), len(priced)
         out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
-                              spec_strategy="laspec", spec_config={"verify_cost": verify_cost, "retire_rows": False},
+                              spec_strategy="laspec", spec_config={"verify_cost": verify_cost}, spec_runtime={"retire_rows": False},
                               return_dict_in_generate=True)  # (both rows to the end: a lone row would go host)
         assert torch.equal(out.sequences, expected)
         drafted = out.spec_stats.rounds - out.spec_stats.paused_rounds

@@ -255,7 +255,7 @@ def test_drafter_context_equals_recomputation(arch, recorded):
         for parameter in drafter.parameters():
             parameter.copy_(parameter.bfloat16().float())
     out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
-                          spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 2, "retire_rows": False})
+                          spec_strategy="laspec", spec_config={"verify_cost": False, "top_k": 2}, spec_runtime={"retire_rows": False})
     state = recorded[-1]  # (rows kept in the batch to the end: the state holds both)
     full_mask = torch.cat([inputs["attention_mask"], torch.ones_like(out[:, inputs["input_ids"].shape[1]:])], 1)
     extra = out.shape[1] - inputs["input_ids"].shape[1]

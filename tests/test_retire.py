@@ -46,7 +46,7 @@ def test_rows_that_leave_the_batch_keep_every_output_exact(arch, strategy):
     runs = {}
     for retire in (True, False):
         out = target.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=eos,
-                              assistant_model=drafter, spec_strategy=strategy, spec_config={"retire_rows": retire},
+                              assistant_model=drafter, spec_strategy=strategy, spec_runtime={"retire_rows": retire},
                               return_dict_in_generate=True, output_scores=True)
         assert torch.equal(out.sequences, plain.sequences), (strategy, retire)
         runs[retire] = out
@@ -82,11 +82,11 @@ def test_processors_that_read_the_row_index_keep_every_row():
 
 
 def test_retire_rows_is_a_checked_setting():
-    from hf_adaptive_spec import SageConfig
+    from hf_adaptive_spec import RuntimeConfig
 
     with pytest.raises(TypeError, match="retire_rows"):
-        SageConfig(retire_rows="yes")
-    assert SageConfig(retire_rows=False).to_dict()["retire_rows"] is False
+        RuntimeConfig(retire_rows="yes")
+    assert RuntimeConfig(retire_rows=False).to_dict()["retire_rows"] is False
 
 
 @pytest.mark.measured_cost  # the cost rule on this machine's curves: each smaller batch is priced on its own

@@ -1,9 +1,9 @@
 """The `generate()` hook: `spec_strategy=...` routes assisted decoding to this library.
 
 `install()` (run by `import hf_adaptive_spec`) adds two fields to
-`GenerationConfig` (`spec_strategy`, `spec_config`, both None by default, so
-`generate(spec_strategy=...)` lands in the generation config instead of the
-model kwargs), and wraps two `GenerationMixin` methods:
+`GenerationConfig` (`spec_strategy`, `spec_config`, `spec_runtime`, all None by
+default, so `generate(spec_strategy=...)` lands in the generation config instead
+of the model kwargs), and wraps two `GenerationMixin` methods:
 
 - `generate`: finds the strategy as `generate` merges settings: this call's
   `spec_strategy=` keyword, else the `generation_config` passed to this call
@@ -44,12 +44,13 @@ from transformers.generation.utils import GenerationMixin
 
 from ..cost import SpecCalibration
 from .loop import speculative_decode
+from ..runtime import resolve_runtime
 from ..strategies import get_strategy_class, resolve_config
 
 _ORIGINALS: dict[str, object] = {}
 # this call's raw inputs (generate drops multimodal ones before decoding) and whether to drop spec_config
 _REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_adaptive_spec_request", default=None)
-_CONFIG_FIELDS = ("spec_strategy", "spec_config")
+_CONFIG_FIELDS = ("spec_strategy", "spec_config", "spec_runtime")
 # set by `prefilled_run`: the next speculative generate call on this thread returns its prefilled run
 _HANDOFF: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_adaptive_spec_handoff", default=False)
 
@@ -110,6 +111,8 @@ def _generate(self, *args, **kwargs):
         if calibration is not None:
             raise ValueError("spec_calibration is for speculative calls: pass spec_strategy=... and "
                              "assistant_model=....")
+        if call.get("spec_runtime") is not None and strategy is None:
+            raise ValueError("spec_runtime sets how speculative rounds run: pass spec_strategy=... too.")
         return _ORIGINALS["generate"](self, *args, **kwargs)
     if drafts_nothing:  # `plain`: the rounds run on the target alone; generate reaches them through the hook
         if call.get("assistant_model") is not None:
@@ -127,10 +130,11 @@ def _generate(self, *args, **kwargs):
     resolved = resolve_config(strategy, spec_config, self.device)  # bad settings fail before any decoding
     if vocab_size is not None:
         resolved.check_vocab(vocab_size)
+    resolve_runtime(_setting(self, call, "spec_runtime")[0])  # checked once, here; the loop reads the config
     handoff = _HANDOFF.get()
     handoff_token = _HANDOFF.set(False)  # a nested generate call runs as usual
     token = _REQUEST.set({"raw_inputs": dict(kwargs), "drop_spec_config": dropped, "calibration": calibration,
-                          "handoff": handoff})
+                          "handoff": handoff, "config": (resolved, self.device.type)})
     try:
         return _ORIGINALS["generate"](self, *args, **kwargs)
     finally:
@@ -181,8 +185,18 @@ def _assisted_decoding(
         self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
         assistant_model=assistant_model, tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
         raw_inputs=request.get("raw_inputs"), synced_gpus=synced_gpus, spec_calibration=request.get("calibration"),
-        handoff=bool(request.get("handoff")), **model_kwargs,
+        handoff=bool(request.get("handoff")), resolved_config=_resolved_for(request, self, input_ids), **model_kwargs,
     )
+
+
+def _resolved_for(request: dict, model, input_ids):
+    """The strategy config `_generate` resolved, if it was resolved for the device the rounds run on."""
+    from ..adapters.placement import execution_device
+
+    resolved, device_type = request.get("config") or (None, None)
+    if resolved is None or request.get("drop_spec_config"):
+        return None
+    return resolved if execution_device(model, input_ids.device).type == device_type else None
 
 
 def is_installed() -> bool:

@@ -30,6 +30,7 @@ from .processors import RowProcessors, SequenceBuffer, StopChecker, row_free
 from .retire import RetiredRows
 from ..adapters.runner import ModelRunner
 from ..adapters.target_states import StateCapture
+from ..runtime import RuntimeConfig, resolve_runtime
 from ..strategies import get_strategy_class, resolve_config
 
 
@@ -162,14 +163,16 @@ def _validate(model, input_ids, generation_config, streamer, assistant_model, to
 def speculative_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                        streamer=None, assistant_model=None, tokenizer=None, assistant_tokenizer=None,
                        raw_inputs: dict | None = None, synced_gpus: bool = False,
-                       spec_calibration: SpecCalibration | None = None, handoff: bool = False, **model_kwargs):
+                       spec_calibration: SpecCalibration | None = None, handoff: bool = False,
+                       resolved_config=None, **model_kwargs):
     """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
 
     Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
     `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`). `spec_calibration`: what
     the cost rule learned in earlier calls, continued here (`cost.SpecCalibration`); None: from the priors.
     `handoff`: return the prefilled `Decoding` before its first round instead (a serving engine runs its rounds,
-    joins it to others and closes it).
+    joins it to others and closes it). `resolved_config`: the strategy's config as the hook already resolved it
+    (for this execution device), so it is not resolved twice.
     """
     scope = contextlib.ExitStack()  # what the call enters (drafter attachment, kernels), closed on any exit
     with contextlib.ExitStack() as guard:
@@ -177,7 +180,7 @@ def speculative_decode(model, input_ids: torch.LongTensor, logits_processor, sto
         cache = _validate(model, input_ids, generation_config, streamer, assistant_model, tokenizer,
                           assistant_tokenizer, synced_gpus, model_kwargs)
         run = Decoding(scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
-                       streamer, assistant_model, model_kwargs, spec_calibration)
+                       streamer, assistant_model, model_kwargs, spec_calibration, resolved_config)
         run.prefill(raw_inputs or {})
         run.start_rounds()
         if handoff:
@@ -194,7 +197,7 @@ class Decoding:
     = draft -> trim -> verify -> accept -> commit, finish)."""
 
     def __init__(self, scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
-                 streamer, assistant_model, model_kwargs, calibration=None):
+                 streamer, assistant_model, model_kwargs, calibration=None, config=None):
         self.start_time = clock.now()
         self.calibration = calibration
         self.scope, self.model, self.cache, self.input_ids = scope, model, cache, input_ids
@@ -202,10 +205,15 @@ class Decoding:
         self.assistant_model, self.model_kwargs = assistant_model, model_kwargs
         name = generation_config.spec_strategy
         self.strategy_class = get_strategy_class(name)
-        self.config = resolve_config(name, getattr(generation_config, "spec_config", None),
-                                     execution_device(model, input_ids.device))
+        device = execution_device(model, input_ids.device)
+        if config is None or not isinstance(config, self.strategy_class.config_class):
+            config = resolve_config(name, getattr(generation_config, "spec_config", None), device)
+        self.config = config
+        # how rounds run (`spec_runtime`), apart from what the strategy verifies
+        self.runtime: RuntimeConfig = resolve_runtime(getattr(generation_config, "spec_runtime", None))
         self._enter_runtime_settings()
-        self.drafter = make_drafter(assistant_model, model, self.strategy_class, self.config, scope)
+        self.drafter = make_drafter(assistant_model, model, self.strategy_class, self.config, scope,
+                                    host_trees=self.runtime.host_trees)
         self.batch_size, self.device = input_ids.shape[0], input_ids.device
         self.do_sample = bool(generation_config.do_sample)
         self.stats = SpecStats(strategy=name)
@@ -226,13 +234,13 @@ class Decoding:
         self.rows = torch.arange(self.batch_size, device=self.device)
         self.retired = None
         self._owned_calibration = None
-        if (self.config.retire_rows and self.batch_size > 1 and row_free(logits_processor)
+        if (self.runtime.retire_rows and self.batch_size > 1 and row_free(logits_processor)
                 and not tensor_parallel(model, assistant_model)):
             self.retired = RetiredRows(self.batch_size, keep_cache=bool(return_dict))
 
     def _enter_runtime_settings(self) -> None:
-        """The config's runtime settings, for this call (those left None follow the caller's context)."""
-        config = self.config
+        """The call's runtime settings (`spec_runtime`; those left None follow the caller's context)."""
+        config = self.runtime
         settings = ((config.lean_forward, use_lean_forward), (config.cpu_kernels, cpu_linear.use_cpu_kernels),
                     (config.compact_weights, cpu_linear.use_compact_weights))
         for value, setting in settings:

@@ -13,7 +13,8 @@ from .laspec import LaSpecDrafterModel, attached_for_call, draft_head_cache
 __all__ = ["make_drafter"]
 
 
-def make_drafter(assistant_model, target, strategy_class, config, scope: contextlib.ExitStack) -> Drafter:
+def make_drafter(assistant_model, target, strategy_class, config, scope: contextlib.ExitStack,
+                 host_trees: bool = True) -> Drafter:
     """The `Drafter` that drafts with `assistant_model` for `target` in this call.
 
     A `LaSpecDrafterModel` becomes a `BlockDrafter` on the target's embedding and LM head for this call only
@@ -26,6 +27,7 @@ def make_drafter(assistant_model, target, strategy_class, config, scope: context
         strategy_class (`type[Strategy]`): the call's strategy (some draft with a block drafter only).
         config (`StrategyConfig`): its resolved settings.
         scope (`contextlib.ExitStack`): closed when the call ends, normally or by an exception.
+        host_trees (`bool`): a block drafter may build batch-1 trees with host lists (`RuntimeConfig.host_trees`).
     """
     if strategy_class.drafts_nothing:  # `plain`: rounds of the pending token alone
         return PendingOnly()
@@ -38,7 +40,7 @@ def make_drafter(assistant_model, target, strategy_class, config, scope: context
             )
         check_model(assistant_model, "drafter")
         return IndependentDrafter(assistant_model)
-    options = dict(config.block_drafter_options())
+    options = {"host_trees": host_trees, **config.block_drafter_options()}
     options["datastore"] = _datastore(assistant_model, options.get("datastore", False))
     scope.enter_context(attached_for_call(assistant_model, target))
     drafter = BlockDrafter(assistant_model, target, **options)

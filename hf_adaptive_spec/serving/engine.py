@@ -34,6 +34,7 @@ import torch
 
 from ..cost import SpecCalibration
 from ..decoding.integration import prefilled_run
+from ..runtime import resolve_runtime
 from ..strategies import get_strategy_class
 
 __all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "RequestHandle"]
@@ -197,11 +198,12 @@ class Engine:
         pad_token_id (`int`, *optional*): filler id (default: the model's, else the first EOS id).
         calibration ([`SpecCalibration`], *optional*): what the cost rule learns, kept across requests (default: a
             fresh one).
+        spec_runtime (*optional*): how rounds run (`RuntimeConfig` or a dict of its fields), as `generate` takes it.
     """
 
     def __init__(self, model, drafter=None, strategy: str = "laspec", spec_config=None, max_batch: int = 8,
                  max_queue: int = 32, eos_token_id=None, pad_token_id: int | None = None,
-                 calibration: SpecCalibration | None = None):
+                 calibration: SpecCalibration | None = None, spec_runtime=None):
         strategy_class = get_strategy_class(strategy)
         if strategy_class.drafts_nothing and drafter is not None:
             raise ValueError(f"strategy {strategy!r} drafts nothing: pass no drafter.")
@@ -210,6 +212,7 @@ class Engine:
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}.")
         self.model, self.drafter, self.strategy, self.spec_config = model, drafter, strategy, spec_config
+        self.spec_runtime = resolve_runtime(spec_runtime)
         self.max_batch, self.max_queue = max_batch, max_queue
         generation_config = model.generation_config
         eos = generation_config.eos_token_id if eos_token_id is None else eos_token_id
@@ -332,7 +335,7 @@ class Engine:
                       eos_token_id=self.eos_token_ids + [t for t in request.stop_token_ids
                                                          if t not in self.eos_token_ids],
                       pad_token_id=self.pad_token_id, spec_strategy=self.strategy, spec_config=self.spec_config,
-                      spec_calibration=self.calibration, do_sample=request.do_sample)
+                      spec_calibration=self.calibration, spec_runtime=self.spec_runtime, do_sample=request.do_sample)
         if request.do_sample:
             kwargs.update(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
         else:  # the model's saved sampling defaults do not apply to a greedy request

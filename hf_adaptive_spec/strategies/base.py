@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import numbers
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
+
+from ..runtime import RUNTIME_FIELDS
 
 
 @dataclass
@@ -45,33 +47,11 @@ class StrategyConfig:
     `save_pretrained` as a dict of the fields; `GenerationConfig.from_pretrained` gives that dict back, which
     `generate` accepts as `spec_config` as is (`from_dict` rebuilds the object).
 
-    Every strategy also takes these runtime settings (keyword only). None of them changes a token; they change
-    how fast rounds run, and exist to compare or to work around a platform:
-
-    - `cpu_kernels` (`bool`, *optional*): the small-batch linear kernel for the rounds on a CPU
-      (`ops.cpu_linear`): True requires it (an error where it cannot run), False turns it off; None (default)
-      follows `HF_ADAPTIVE_SPEC_CPU_KERNELS` (`auto`: on where it runs).
-    - `compact_weights` (`bool`, *optional*): with the kernel, a LaSpec drafter's layers read bf16 copies of
-      their weights (drafts only); None (default): on, unless `cpu_linear.use_compact_weights(False)` is in force.
-    - `lean_forward` (`bool`, *optional*): round forwards of supported models skip transformers' per-module
-      Python (`hf_adaptive_spec.adapters.lean`; bitwise the same logits); None (default): on, unless
-      `lean.use_lean_forward(False)` is in force.
-    - `host_trees` (`bool`, defaults to True): a LaSpec block drafter at batch 1 (greedy, no processors)
-      builds its tree with host lists (`drafters.host_tree`: the same tree).
-    - `retire_rows` (`bool`, defaults to True): at batch > 1, rows that finished leave the batch between rounds
-      (their cache and state are dropped; the output is assembled as before), so the forwards of the rows still
-      decoding no longer carry them. Not with logits processors that read a row's index in the batch.
+    How rounds run (the CPU kernel, the lean forward, row retirement, ...) is not a strategy's setting: it goes
+    in `spec_runtime` (`decoding.runtime.RuntimeConfig`), beside `spec_config`.
     """
 
-    cpu_kernels: bool | None = field(default=None, kw_only=True)
-    compact_weights: bool | None = field(default=None, kw_only=True)
-    lean_forward: bool | None = field(default=None, kw_only=True)
-    host_trees: bool = field(default=True, kw_only=True)
-    retire_rows: bool = field(default=True, kw_only=True)
-
     def __post_init__(self):
-        for name in ("cpu_kernels", "compact_weights", "lean_forward", "host_trees", "retire_rows"):
-            check_bool(self, name)
         self.validate()
 
     def resolve(self, device: torch.device) -> "StrategyConfig":
@@ -104,9 +84,9 @@ class StrategyConfig:
 
     def block_drafter_options(self) -> dict:
         """Keyword arguments for a LaSpec block drafter (`drafters.block.BlockDrafter`) drafting for this
-        strategy; beyond `host_trees`, the drafter's own defaults (its block size and visual tokens, no extra
+        strategy; by default none: the drafter's own defaults (its block size and visual tokens, no extra
         branches)."""
-        return {"host_trees": self.host_trees}
+        return {}
 
     def to_dict(self) -> dict:
         """Every field by name, JSON-friendly (tuples become lists)."""
@@ -119,6 +99,10 @@ class StrategyConfig:
             raise TypeError(f"{cls.__name__}.from_dict needs a dict of its fields, got {type(values).__name__}.")
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(names))
+        runtime = [name for name in unknown if name in RUNTIME_FIELDS]
+        if runtime:
+            raise TypeError(f"{runtime[0]!r} is a runtime setting, not a {cls.__name__} field: pass it as "
+                            f"generate(..., spec_runtime={{{runtime[0]!r}: ...}}).")
         if unknown:
             raise TypeError(f"{cls.__name__} has no field {unknown[0]!r}; its fields: {', '.join(names)}.")
         return cls(**values)
