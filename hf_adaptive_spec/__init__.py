@@ -12,7 +12,7 @@ from .cost import CostProfile, SpecCalibration
 from .drafters.datastore import TokenDatastore
 from .drafters.quantize import quantize_drafter
 from .decoding.integration import install, is_installed, uninstall
-from .decoding.loop import SpecGenerateOutput, SpecStats
+from .decoding.stats import SpecGenerateOutput, SpecStats
 from .decoding.prepare import prepare
 from .runtime import RuntimeConfig
 from .drafters.vision import QueryCapture, VisualKeyStore, select_visual_tokens
