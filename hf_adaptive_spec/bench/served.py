@@ -263,6 +263,7 @@ def run(args) -> int:
     from ..loading import is_laspec, load_drafter, load_model
     from ..serving.loadgen import DEFAULT_PROMPTS, load_prompts
     from .load_options import fixed_structures
+    from .report import environment
 
     if args.requests < 1 or args.max_batch < 1 or args.max_new_tokens < 1 or any(r <= 0 for r in args.rates):
         raise SystemExit("bench-served: --requests, --max-batch, --max-new-tokens and every rate must be positive.")
@@ -285,6 +286,7 @@ def run(args) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    env = environment(torch.device("cpu"), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)))
     results = run_served(target, tokenizer, drafter, args.target, methods, args.rates, args.arrivals, args.requests,
                          args.max_new_tokens, args.max_batch, args.max_queue, args.seed, prompts, args.warmup,
                          args.time_limit)
@@ -292,9 +294,9 @@ def run(args) -> int:
         "target": args.target, "drafter": args.drafter, "methods": [m.name for m in methods],
         "rates": list(args.rates), "arrivals": list(args.arrivals), "requests": args.requests,
         "max_new_tokens": args.max_new_tokens, "max_batch": args.max_batch, "seed": args.seed,
-        "threads": torch.get_num_threads(), "machine": f"{platform.processor() or platform.machine()}, "
+        "threads": torch.get_num_threads(), "machine": f"{env['cpu_model'] or platform.machine()}, "
         f"{torch.get_num_threads()} threads", "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
-        "seconds": time.time() - started,
+        "seconds": time.time() - started, "environment": env,
     }
     (out_dir / "served.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     markdown = served_markdown(results)
