@@ -359,6 +359,26 @@ def test_the_rates_of_a_batch_size_survive_its_changes():
     assert model.drafted_rate == pytest.approx(0.01) and not model.pause_drafting(active_rows=5)
 
 
+@pytest.mark.measured_cost
+def test_drafting_pauses_once_trimmed_trees_keep_nothing():
+    """Drafted rounds whose trees the rule trims to the root alone paid the drafter for nothing: after
+    `EMPTY_ROUNDS` of them in a row drafting pauses at once (no rates needed), probing every `PROBE_EVERY` rounds; a
+    probe that keeps a node drafts again."""
+    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.1, 0.12]), max_tokens=8, device="cpu", rows=4)
+    assert not model.pause_drafting()
+    model.observe_trim(0)
+    assert not model.pause_drafting()  # one empty round is not yet a pattern
+    model.observe_trim(0)
+    decisions = [model.pause_drafting() for _ in range(CostModel.PROBE_EVERY)]
+    assert decisions == [True] * (CostModel.PROBE_EVERY - 1) + [False]  # the last one probes
+    model.observe_trim(3)  # the probe's tree kept nodes: drafting pays again
+    assert not model.pause_drafting()
+    model.observe_trim(0)
+    model.observe_trim(0)
+    model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.2, 0.22]), rows=8)  # another batch size: learned anew
+    assert not model.pause_drafting()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])
 def test_paused_rounds_keep_the_output_exact(arch, monkeypatch):
     from hf_adaptive_spec.drafters.laspec import LaSpecDrafterConfig, LaSpecDrafterModel

@@ -63,6 +63,7 @@ class CostModel:
         # every few rounds as requests join and leave, and rates that restarted at every change would never
         # reach `MIN_DRAFTED_ROUNDS` (rates of different sizes are not comparable: a step's tokens grow with rows)
         self._rates_by_rows: dict[int, tuple] = {}
+        self._trimmed_empty = 0  # drafted rounds in a row whose trimmed trees kept no draft node (`observe_trim`)
         self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
     def _set_widths(self, profile: CostProfile, max_tokens: int, device) -> None:
@@ -80,7 +81,7 @@ class CostModel:
             self._rates_by_rows[self.rows] = (self._drafted, self._plain, self._drafted_rounds)
             self._drafted, self._plain, self._drafted_rounds = self._rates_by_rows.pop(
                 rows, ([0.0, 0.0], [0.0, 0.0], 0))
-            self._paused_in_a_row = 0
+            self._paused_in_a_row = self._trimmed_empty = 0
         self.rows = rows
         if profile is self.profile:
             return
@@ -95,6 +96,8 @@ class CostModel:
     # a paused call drafts again every `PROBE_EVERY` rounds, to see whether drafting pays again
     PROBE_EVERY = 8
     MIN_DRAFTED_ROUNDS = 8
+    # drafted rounds in a row whose trees the rule trimmed to the root alone, after which drafting pauses
+    EMPTY_ROUNDS = 2
     RATE_SMOOTHING = 0.1
     MARGIN = 1.05
 
@@ -116,7 +119,16 @@ class CostModel:
         produce tokens more slowly (by `MARGIN`) than undrafted ones (a plain step through the same loop). On a
         hard prompt the cost rule already trims every node, but the drafter's forward and the tree are still
         paid each round; this stops paying them, drafting again every `PROBE_EVERY` rounds to re-measure.
-        `active_rows`: rows still decoding (what a root-only round yields), by default the batch's."""
+        `active_rows`: rows still decoding (what a root-only round yields), by default the batch's.
+
+        Sooner: once `EMPTY_ROUNDS` drafted rounds in a row kept no draft node after trimming (`observe_trim`),
+        drafting buys nothing at this load; it pauses at once, probing every `PROBE_EVERY` rounds as well."""
+        if self.live_scale and self._trimmed_empty >= self.EMPTY_ROUNDS:
+            if self._paused_in_a_row >= self.PROBE_EVERY - 1:
+                self._paused_in_a_row = 0
+                return False
+            self._paused_in_a_row += 1
+            return True
         drafted = self.drafted_rate
         if not self.live_scale or drafted is None or self._drafted_rounds < self.MIN_DRAFTED_ROUNDS:
             return False
@@ -125,6 +137,11 @@ class CostModel:
             return False
         self._paused_in_a_row += 1
         return True
+
+    def observe_trim(self, kept_nodes: int) -> None:
+        """A drafted round's draft nodes left after trimming, over the active rows (a host value): a round that
+        keeps none paid the drafter for nothing."""
+        self._trimmed_empty = self._trimmed_empty + 1 if kept_nodes == 0 else 0
 
     def observe_rate(self, drafted: bool, round_seconds: float, tokens: int) -> None:
         """One round's seconds and tokens (host values), into the drafted or the undrafted running sums."""

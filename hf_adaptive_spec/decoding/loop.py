@@ -370,7 +370,10 @@ class Decoding:
         """Verify only what pays for its marginal cost (the cost rule)."""
         drafted = tree.num_drafted()
         tree = tree.subset(self.cost.prune(tree)[0])
-        self.trace.pruned += ((drafted - tree.num_drafted()) * active).sum()
+        kept = tree.num_drafted() * active
+        self.trace.pruned += (drafted * active).sum() - kept.sum()
+        if self.drafter.may_pause and self.cost.live_scale:  # host values are free on a CPU
+            self.cost.observe_trim(int(kept.sum()))
         self.stats.time_tree += self.clock.lap()
         return tree
 
