@@ -10,7 +10,7 @@ import torch
 from .. import loading
 from . import vision as bench_vision
 
-__all__ = ["default_prompt_loader", "encode_prompt", "load_model", "resolve_device"]
+__all__ = ["bench_prompts", "default_prompt_loader", "encode_prompt", "load_model", "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -33,6 +33,17 @@ def default_prompt_loader(dataset: str, limit: Optional[int]) -> list:
     from ..registry.data import load_prompts
 
     return load_prompts(dataset, limit=limit)
+
+
+def bench_prompts(args, prompt_loader=None) -> list:
+    """The prompts of `args.datasets` (each data set once, in order), `args.limit` of each; a `ValueError` for none."""
+    prompt_loader = prompt_loader or default_prompt_loader
+    prompts = []
+    for dataset in dict.fromkeys(args.datasets):
+        prompts.extend(prompt_loader(dataset, args.limit))
+    if not prompts:
+        raise ValueError("no prompts to run.")
+    return prompts
 
 
 def encode_prompt(processor, messages: list, device, image=None, dtype=None) -> dict:

@@ -10,7 +10,7 @@ import torch
 
 from ..loading import is_laspec
 from .load_batches import CHAIN_LENGTHS, TREE_SIZES, load_methods
-from .inputs import default_prompt_loader, resolve_device
+from .inputs import bench_prompts, default_prompt_loader, resolve_device
 from .options import check_run_options
 from .vision import SCENES
 
@@ -109,10 +109,5 @@ def check_options(args, prompt_loader) -> tuple:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    prompt_loader = prompt_loader or default_prompt_loader
-    prompts = []
-    for dataset in dict.fromkeys(args.datasets):
-        prompts.extend(prompt_loader(dataset, args.limit))
-    if not prompts:
-        raise ValueError("no prompts to run.")
+    prompts = bench_prompts(args, prompt_loader or default_prompt_loader)
     return device, laspec, prompts, adaptive, spec_configs, levels

@@ -53,7 +53,7 @@ import torch
 from .. import loading
 from ..drafters.quantize import quantize_drafter
 from . import vision as bench_vision
-from .inputs import default_prompt_loader, encode_prompt, load_model, resolve_device
+from .inputs import bench_prompts, default_prompt_loader, encode_prompt, load_model, resolve_device
 from .methods import GenerationRun, Method, build_methods, check_drafter_options, run_method
 from .options import DEFAULT_DRAFTER, DEFAULT_STOCK_BEST, DEFAULT_TARGET, add_arguments, check_run_options
 from .report import describe, environment, jsonable, now, print_summary, write_outputs
@@ -106,12 +106,7 @@ def _prelude(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
     check_drafter_options(args, laspec)
     build_methods(args, device)  # validate every option before loading anything
 
-    prompt_loader = prompt_loader or default_prompt_loader
-    prompts = []
-    for dataset in dict.fromkeys(args.datasets):
-        prompts.extend(prompt_loader(dataset, args.limit))
-    if not prompts:
-        raise ValueError("no prompts to run.")
+    prompts = bench_prompts(args, prompt_loader or default_prompt_loader)
     return device, laspec, prompts
 
 
