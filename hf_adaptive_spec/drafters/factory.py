@@ -39,7 +39,10 @@ def make_drafter(assistant_model, target, strategy_class, config, scope: context
                 f"{type(assistant_model).__name__}."
             )
         check_model(assistant_model, "drafter")
-        return IndependentDrafter(assistant_model)
+        return IndependentDrafter(assistant_model, target, **config.independent_drafter_options())
+    if config.independent_drafter_options():
+        raise ValueError(f"spec_config visual_tokens selects what an independent VLM drafter sees; a LaSpec drafter's "
+                         f"visual tokens are set by its own `num_visual_tokens` (spec_strategy='laspec').")
     options = {"host_trees": host_trees, **config.block_drafter_options()}
     options["datastore"] = _datastore(assistant_model, options.get("datastore", False))
     scope.enter_context(attached_for_call(assistant_model, target))

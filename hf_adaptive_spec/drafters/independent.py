@@ -21,6 +21,7 @@ from ..strategies import Frontier
 from .tree import DraftTree, TreeBuilder
 from .base import Drafter, TargetPrefill, VerifiedRound
 from .levels import choose_level
+from .visual_view import VisualView
 
 
 class IndependentDrafter(Drafter):
@@ -28,6 +29,10 @@ class IndependentDrafter(Drafter):
 
     Args:
         model: the drafter model (`assistant_model`).
+        target: the verifier (needed with `num_visual_tokens` only).
+        num_visual_tokens (`int`, *optional*): a VLM drafter sees only this many of the image's visual tokens,
+            chosen by the target's attention (`visual_view.VisualView`); None: all of them.
+        visual_selection (`str`): ``"prefill"`` (chosen once) or ``"round"`` (again after every round).
     """
 
     prices_levels = True  # one forward per level: a level may stop where it no longer pays
@@ -36,8 +41,10 @@ class IndependentDrafter(Drafter):
     # round's first forward runs as one chain
     may_pause = True
 
-    def __init__(self, model):
+    def __init__(self, model, target=None, num_visual_tokens: int | None = None, visual_selection: str = "prefill"):
         self.model = model
+        self.view = None if num_visual_tokens is None else VisualView(target, model, num_visual_tokens,
+                                                                      visual_selection)
         self.runner: ModelRunner | None = None
         self.pending: torch.Tensor | None = None  # (B, P) right-aligned
         self.pending_valid: torch.Tensor | None = None  # (B, P)
@@ -56,6 +63,10 @@ class IndependentDrafter(Drafter):
             kwargs["attention_mask"] = attention_mask
         cache_kwargs = {cache_argument(model): cache}
         position_ids = model._prepare_position_ids_for_generation(input_ids, {**kwargs, **cache_kwargs})
+        slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        seen = slot_valid if self.view is None else self.view.prompt_visibility(slot_valid)
+        if seen is not slot_valid:  # hidden visual slots: off in the mask, positions as given
+            kwargs["attention_mask"] = seen.long()
         inputs = model.prepare_inputs_for_generation(
             input_ids, position_ids=position_ids, use_cache=True, is_first_iteration=True, **cache_kwargs, **kwargs,
         )
@@ -67,16 +78,27 @@ class IndependentDrafter(Drafter):
                 f"The drafter's prefill cached {cache.get_seq_length()} positions for a {input_ids.shape[1]}-token "
                 "prompt; its processor must expand image tokens like the target's."
             )
-        slot_valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         # the positions the forward ran with (prepare_inputs_for_generation may shift them: PaliGemma)
         used = inputs.get("position_ids")
         self.runner = ModelRunner(model, cache, slot_valid, used if used is not None else position_ids)
+        self.runner.slot_valid = seen  # positions follow the prompt; attention skips the hidden visual slots
 
     def start(self, prefill: TargetPrefill) -> None:
         """Prefill on the prompt; the first generated token is pending."""
         self.prefill(prefill.input_ids, prefill.attention_mask, prefill.raw_inputs)
         first = prefill.first_token[:, None]
         self.set_pending(first, torch.ones_like(first, dtype=torch.bool))
+
+    def prefill_scope(self, input_ids: torch.Tensor):
+        return self.view.prefill_scope(input_ids) if self.view is not None else super().prefill_scope(input_ids)
+
+    def verify_scope(self):
+        return self.view.verify_scope() if self.view is not None else super().verify_scope()
+
+    @property
+    def visual_time(self) -> float:
+        """Seconds selecting visual tokens so far."""
+        return self.view.visual_time if self.view is not None else 0.0
 
     @property
     def root(self) -> torch.Tensor:
@@ -92,6 +114,8 @@ class IndependentDrafter(Drafter):
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.runner.keep_rows(rows)
+        if self.view is not None:
+            self.view.keep_rows(rows)
         self.pending, self.pending_valid = self.pending[rows], self.pending_valid[rows]
 
     def join(self, other: Drafter) -> None:
@@ -99,6 +123,12 @@ class IndependentDrafter(Drafter):
         right-aligned)."""
         if not isinstance(other, IndependentDrafter) or other.model is not self.model or self._drafted:
             raise ValueError("an independent drafter joins rows of the same drafter model, between rounds.")
+        if (self.view is None) != (other.view is None):
+            raise ValueError("drafters with and without a visual selection cannot join.")
+        widths = (self.runner.slot_valid.shape[1], other.runner.slot_valid.shape[1])
+        rows = (self.runner.slot_valid.shape[0], other.runner.slot_valid.shape[0])
+        if self.view is not None:
+            self.view.join(other.view, widths, rows)
         self.runner.join(other.runner)
         width = max(self.pending.shape[1], other.pending.shape[1])
         self.pending = torch.cat([left_pad(self.pending, width, 1), left_pad(other.pending, width, 1)])
@@ -106,7 +136,10 @@ class IndependentDrafter(Drafter):
                                         left_pad(other.pending_valid, width, 1, False)])
 
     def trim(self) -> None:
+        width = self.runner.slot_valid.shape[1]
         self.runner.trim()
+        if self.view is not None:
+            self.view.trim(width - self.runner.slot_valid.shape[1])
 
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
@@ -191,6 +224,11 @@ class IndependentDrafter(Drafter):
         return builder.build()
 
     def finish_round(self, verified: VerifiedRound) -> None:
+        self._keep(verified)
+        if self.view is not None:  # "round" selection: the last accepted position's query picks the next tokens
+            self.view.after_round(self.runner, verified.path_index.gather(1, verified.accept_length[:, None])[:, 0])
+
+    def _keep(self, verified: VerifiedRound) -> None:
         if not self._drafted:  # drafting paused: the drafter ran nothing, the bonus token waits with the others
             bonus = verified.bonus[:, None]
             self.set_pending(torch.cat([self.pending, bonus], dim=1),

@@ -88,6 +88,14 @@ class StrategyConfig:
         branches)."""
         return {}
 
+    def independent_drafter_options(self) -> dict:
+        """Keyword arguments for an independent drafter (`drafters.independent.IndependentDrafter`): how many of
+        the image's visual tokens a VLM drafter sees and when they are chosen (the `visual_tokens` and
+        `visual_selection` fields, in the strategies that have them); none by default: the whole image."""
+        if getattr(self, "visual_tokens", None) is None:
+            return {}
+        return {"num_visual_tokens": self.visual_tokens, "visual_selection": self.visual_selection}
+
     def to_dict(self) -> dict:
         """Every field by name, JSON-friendly (tuples become lists)."""
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}
@@ -170,6 +178,23 @@ def check_choice(config, name: str, choices: tuple) -> None:
         _fail(config, name, f"one of {choices}", TypeError)
     if value not in choices:
         _fail(config, name, f"one of {choices}")
+
+
+VISUAL_SELECTIONS = ("prefill", "round")
+
+VISUAL_FIELDS_DOC = """
+        visual_tokens (`int`, *optional*): an independent VLM drafter sees only this many of the image's visual
+            tokens, those the target's attention picks (int8 keys, cross-layer vote; `drafters.visual_view`); 0
+            hides the image from the drafter. None (default): the whole image. Not for a LaSpec drafter (its
+            setting is `LaSpecConfig.num_visual_tokens`).
+        visual_selection (`str`): when they are picked: "prefill" (once, by the prompt's last query; default) or
+            "round" (again after every round, by the last accepted position's query)."""
+
+
+def check_visual_selection(config) -> None:
+    """The `visual_tokens` / `visual_selection` fields (`VISUAL_FIELDS_DOC`)."""
+    check_int(config, "visual_tokens", 0)
+    check_choice(config, "visual_selection", VISUAL_SELECTIONS)
 
 
 def check_order(config, low: str, high: str) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Strategy, StrategyConfig, check_bool, check_int, check_order, on_gpu
+from .base import Strategy, StrategyConfig, check_bool, check_int, check_order, check_visual_selection, on_gpu
 
 
 @dataclass
@@ -21,6 +21,9 @@ class ChainConfig(StrategyConfig):
             (per row), like stock assisted generation's "heuristic" schedule.
         verify_cost (`bool`, defaults to `False`): under greedy decoding, cut each chain to the prefix that pays
             for its verification on the target's measured cost curve (`hf_adaptive_spec.cost`).
+        visual_tokens (`int`, *optional*), visual_selection (`str`): how many of the image's visual tokens an
+            independent VLM drafter sees, and when the target's attention picks them ("prefill" or "round"; see
+            `strategies.base.VISUAL_FIELDS_DOC`). None: the whole image.
     """
 
     num_draft_tokens: int | None = None
@@ -28,6 +31,8 @@ class ChainConfig(StrategyConfig):
     max_draft_tokens: int | None = None
     adaptive: bool = True
     verify_cost: bool = False
+    visual_tokens: int | None = None
+    visual_selection: str = "prefill"
 
     def device_defaults(self, device):
         gpu = on_gpu(device)
@@ -41,6 +46,7 @@ class ChainConfig(StrategyConfig):
         check_order(self, "min_draft_tokens", "num_draft_tokens")
         check_order(self, "num_draft_tokens", "max_draft_tokens")
         check_order(self, "min_draft_tokens", "max_draft_tokens")
+        check_visual_selection(self)
 
 
 class ChainStrategy(Strategy):

@@ -16,6 +16,7 @@ from .base import (
     StrategyConfig,
     check_bool,
     check_choice,
+    check_visual_selection,
     check_float,
     check_int,
     check_order,
@@ -54,6 +55,9 @@ class SageConfig(StrategyConfig):
         adaptive_history (`bool`): enable the D_max adaptation (True).
         verify_cost (`bool`): under greedy decoding, trim each drafted tree to the nodes that pay for their
             verification on the measured cost curve of the target (`hf_adaptive_spec.cost`; GPU False, CPU True).
+        visual_tokens (`int`, *optional*), visual_selection (`str`): how many of the image's visual tokens an
+            independent VLM drafter sees, and when the target's attention picks them ("prefill" or "round"; see
+            `strategies.base.VISUAL_FIELDS_DOC`). None: the whole image.
     """
 
     d_min: int | None = None
@@ -72,6 +76,8 @@ class SageConfig(StrategyConfig):
     depth_cap: int | None = None
     adaptive_history: bool = True
     verify_cost: bool | None = None
+    visual_tokens: int | None = None
+    visual_selection: str = "prefill"
 
     def device_defaults(self, device):
         if on_gpu(device):  # the paper's settings
@@ -102,6 +108,7 @@ class SageConfig(StrategyConfig):
         check_order(self, "d_min", "depth_cap")
         check_order(self, "w_min", "w_max")
         check_order(self, "history_low", "history_high")
+        check_visual_selection(self)
 
     def check_vocab(self, vocab_size):
         # (top_k beyond the vocabulary is fine: the entropy of Eq. 7 is taken over min(top_k, V) tokens)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Strategy, StrategyConfig, on_gpu
+from .base import Strategy, StrategyConfig, check_visual_selection, on_gpu
 
 
 def default_tree_paths(num_nodes: int, max_depth: int, rank_acceptance=(0.7, 0.15, 0.06, 0.03)) -> list[tuple]:
@@ -41,9 +41,14 @@ class StaticTreeConfig(StrategyConfig):
     Args:
         paths (list of tuples of `int`, *optional*): the tree as prefix-closed rank paths. Default: the
             `default_tree_paths` of 6 nodes and depth 5 on a CPU, 24 nodes and depth 6 on a GPU.
+        visual_tokens (`int`, *optional*), visual_selection (`str`): how many of the image's visual tokens an
+            independent VLM drafter sees, and when the target's attention picks them ("prefill" or "round"; see
+            `strategies.base.VISUAL_FIELDS_DOC`). None: the whole image.
     """
 
     paths: list | None = None
+    visual_tokens: int | None = None
+    visual_selection: str = "prefill"
 
     def device_defaults(self, device):
         if on_gpu(device):
@@ -53,6 +58,7 @@ class StaticTreeConfig(StrategyConfig):
     def validate(self):
         """`paths` is None or a non-empty list of distinct, non-empty tuples of ranks (ints >= 0), prefix-closed;
         it is stored as tuples sorted by depth, then rank (lists, e.g. from JSON, are accepted)."""
+        check_visual_selection(self)
         if self.paths is None:
             return
         shape = "a non-empty list of tuples of ranks (ints >= 0)"
