@@ -1,5 +1,5 @@
 """The `hf-adaptive-spec` command: fetch, demo, generate, prepare, serve, loadtest, bench, train-drafter, train-vlm,
-build-datastore."""
+train-scenes-drafter, build-datastore."""
 
 from __future__ import annotations
 
@@ -307,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     vlm = sub.add_parser("train-vlm", help="train the scenes VLM: vision tower, projector, low-rank updates of SmolLM2 (accelerate)")
     vlm_cli.add_arguments(vlm)
     vlm.set_defaults(func=vlm_cli.run)
+
+    from .training import scenes_drafter_cli
+
+    scenes_drafter = sub.add_parser("train-scenes-drafter",
+                                    help="distill the small image-aware drafter of the scenes VLM from its answers")
+    scenes_drafter_cli.add_arguments(scenes_drafter)
+    scenes_drafter.set_defaults(func=scenes_drafter_cli.run)
 
     from .training import datastore_cli
 

@@ -9,27 +9,32 @@ __all__ = ["chat_inputs", "int8_drafter", "is_laspec", "load_drafter", "load_mod
 
 
 def model_names() -> list:
-    """Every name `resolve_path` knows: the registry's converted models and the assembled scenes VLM."""
+    """Every name `resolve_path` knows: the registry's converted models, the assembled scenes VLM and its
+    image-aware drafter."""
     from .registry.models import list_models
+    from .scenes.drafter import SCENES_DRAFTER
     from .scenes.vlm import SCENES_VLM
 
-    return sorted(list_models() + [SCENES_VLM])
+    return sorted(list_models() + [SCENES_VLM, SCENES_DRAFTER])
 
 
 def resolve_path(name_or_path: str, progress: bool = True, option: str | None = None) -> Path:
     """A local HF folder, or a registry name fetched (once) into the cache (the scenes VLM: assembled from
-    SmolLM2 and its shipped vision tower). An unknown name exits with a message (naming `option`, e.g.
+    SmolLM2 and its shipped vision tower; its drafter: from the scenes VLM and the drafter's shipped parts). An unknown name exits with a message (naming `option`, e.g.
     ``--target``, when given)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     from .registry.models import REGISTRY, fetch
+    from .scenes.drafter import SCENES_DRAFTER, fetch_scenes_drafter
     from .scenes.vlm import SCENES_VLM, fetch_scenes_vlm
 
     if name_or_path in REGISTRY:
         return fetch(name_or_path, progress=progress)
     if name_or_path == SCENES_VLM:
         return fetch_scenes_vlm(progress=progress)
+    if name_or_path == SCENES_DRAFTER:
+        return fetch_scenes_drafter(progress=progress)
     raise SystemExit(
         f"{option + ' ' if option else ''}{name_or_path!r} is neither a local model folder nor a registry name ({', '.join(model_names())})."
     )
