@@ -304,12 +304,40 @@ def test_visual_selection_runs_each_round_and_keeps_output(arch, recorded):
     rows = 2 - out.spec_stats.retired_rows  # a row that finished first may have left the batch
     assert state.visual_embeds.shape[:2] == (rows, 3) and bool(state.visual_valid.all())
     assert out.spec_stats.time_visual > 0
-    # an untrained (zero) gate is an exact no-op, so the loop skips selection entirely
-    recorded.clear()
-    out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=_drafter(target),
-                          spec_strategy="laspec", return_dict_in_generate=True)
-    assert torch.equal(out.sequences, expected)
-    assert not recorded[-1].uses_vision
+    # an untrained (zero) gate is an exact no-op, and a closed one (|tanh(g)| <= CLOSED_GATE, as training left
+    # the shipped scenes drafter's) changes no draft: the loop skips selection entirely, and so does M = 0
+    from hf_adaptive_spec.drafters.block import CLOSED_GATE
+
+    for gate, count in ((0.0, 3), (0.9 * CLOSED_GATE, 3), (0.5, 0)):
+        recorded.clear()
+        drafter = _drafter(target, num_visual_tokens=count)
+        with torch.no_grad():
+            for layer in drafter.layers:
+                layer.visual_gate.fill_(gate)
+        out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,
+                              spec_strategy="laspec", return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert not recorded[-1].uses_vision and recorded[-1].capture is None, (gate, count)
+        assert out.spec_stats.time_visual == 0.0
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_a_context_without_the_image_leaves_its_positions_out_and_keeps_output(arch, recorded):
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=12, do_sample=False)
+    drafter = _drafter(target, num_visual_tokens=2, context_without_image=True)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.visual_gate.fill_(0.5)
+    out = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                          spec_strategy="laspec", spec_runtime={"retire_rows": False})
+    assert torch.equal(out, expected)
+    state = recorded[-1]
+    image = block_module.image_token_mask(target, inputs["input_ids"])
+    prompt = state.context_valid[:, : image.shape[1]]
+    assert not bool(prompt[image].any()) and bool(prompt[inputs["attention_mask"].bool() & ~image].all())
+    assert state.uses_vision
 
 
 def test_other_strategies_draft_with_a_block_drafter():

@@ -105,6 +105,18 @@ def test_make_batch_trains_only_on_policy_prefixes(setup):
                 assert row[k] == example.labels[t]
 
 
+def test_make_batch_without_image_leaves_the_image_positions_out_of_the_context(setup):
+    _, _, examples = setup
+    example = examples[0]
+    image = torch.zeros(len(example), dtype=torch.bool)
+    image[2:5] = True
+    example = type(example)(example.input_ids, example.hidden, example.labels, example.on_policy,
+                            image_positions=image)
+    kept = make_batch([example], 3, 4, random.Random(0), "cpu")["context_mask"][0]
+    dropped = make_batch([example], 3, 4, random.Random(0), "cpu", without_image=True)["context_mask"][0]
+    assert bool(kept.all()) and torch.equal(dropped, ~image)
+
+
 def test_make_batch_labels_equal_a_per_position_loop(setup):
     _, _, examples = setup
     rng = torch.Generator().manual_seed(3)

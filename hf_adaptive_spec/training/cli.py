@@ -80,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--fuse-previous-state", action="store_true",
                         help="feed the target's state before each block into every block position's input "
                              "(EAGLE-style fusion; see LaSpecDrafterConfig.fuse_previous_state)")
+    parser.add_argument("--context-without-image", action="store_true",
+                        help="leave the target's states at the image positions out of the drafter's context "
+                             "(LaSpecDrafterConfig.context_without_image: the image reaches the drafter through its "
+                             "visual branch and the text positions' states only)")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-sequences", type=int, default=4)
@@ -404,6 +408,7 @@ def run(args) -> int:
     drafter_config = LaSpecDrafterConfig.for_target(target, block_size=args.block_size,
                                                     num_hidden_layers=args.layers,
                                                     fuse_previous_state=args.fuse_previous_state,
+                                                    context_without_image=args.context_without_image,
                                                     target_model_name=args.target)
     cache = Path(args.data_cache) if args.data_cache else None
     generate_dtype = None if args.generate_dtype == "same" else getattr(torch, args.generate_dtype)

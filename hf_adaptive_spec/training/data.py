@@ -79,6 +79,7 @@ class DrafterExample:
     prompt_length: int = 0  # tokens before the answer (0 for plain text): blocks are anchored in the answer
     visual_embeds: torch.Tensor | None = None  # (T, H) fp16: the target's input embeddings at the image tokens
     visual_slots: torch.Tensor | None = None  # (L, M) long: indices into visual_embeds picked by the query at t
+    image_positions: torch.Tensor | None = None  # (L,) bool: the image's placeholder positions
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -88,7 +89,7 @@ _TEXT_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # per-token type ids:
 
 
 def _example(ids: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, source: str, prompt_length: int,
-             visual_embeds=None, visual_slots=None) -> DrafterExample:
+             visual_embeds=None, visual_slots=None, image_positions=None) -> DrafterExample:
     """A [`DrafterExample`] from one sequence's `(L,)` ids, fused `(L, F)` hidden states and `(L,)` greedy
     labels (the target's argmax)."""
     labels = labels.cpu()
@@ -96,7 +97,7 @@ def _example(ids: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, sour
     on_policy = torch.zeros_like(ids, dtype=torch.bool)
     on_policy[:-1] = ids[1:] == labels[:-1]
     return DrafterExample(ids, hidden.to("cpu", torch.float16), labels, on_policy, source, int(prompt_length),
-                          visual_embeds, visual_slots)
+                          visual_embeds, visual_slots, image_positions)
 
 
 @torch.no_grad()
@@ -199,7 +200,7 @@ def examples_from_sequences(target, sequences: list, layer_ids: list, sources: l
             visual_embeds = out.hidden_states[0][0, image_positions].to("cpu", torch.float16)
         hidden = gather_target_hidden(out.hidden_states, layer_ids)[0]
         examples.append(_example(ids, hidden, out.logits[0].argmax(-1), source, prompt_length, visual_embeds,
-                                 visual_slots))
+                                 visual_slots, None if mask is None else mask[0].cpu()))
     return examples
 
 

@@ -74,8 +74,10 @@ class TrainConfig:
             raise ValueError("TrainConfig needs max_seconds >= 0 and probe_steps >= 1.")
 
 
-def make_batch(examples: list, block_size: int, anchors: int, generator: random.Random, device) -> dict:
-    """Tensors for one step: `examples` padded to one length, `anchors` blocks per sequence.
+def make_batch(examples: list, block_size: int, anchors: int, generator: random.Random, device,
+               without_image: bool = False) -> dict:
+    """Tensors for one step: `examples` padded to one length, `anchors` blocks per sequence (`without_image`:
+    the context leaves out each example's image positions, `LaSpecDrafterConfig.context_without_image`).
 
     Returns a dict with `input_ids` `(R, A * B)`, `position_ids` `(R, A * B)`, `context` hidden `(R, L, F)`,
     `context_mask` `(R, L)`, `labels` `(R, A, B)` (-100 = not trained), and when an example has an image,
@@ -99,6 +101,8 @@ def make_batch(examples: list, block_size: int, anchors: int, generator: random.
         n = len(example)
         hidden[row, :n] = example.hidden.float()
         context_mask[row, :n] = True
+        if without_image and example.image_positions is not None:
+            context_mask[row, :n] &= ~example.image_positions
         low = example.prompt_length if 1 <= example.prompt_length < n else 1  # blocks start in the answer
         starts = [generator.randrange(low, n) for _ in range(anchors)] if n > 1 else [0] * anchors
         starts = torch.tensor(starts)
@@ -181,7 +185,8 @@ def evaluate_acceptance(drafter, examples: list, block_size: int, anchors: int =
     hits = torch.zeros(block_size)
     seen = torch.zeros(block_size)
     for start in range(0, len(examples), 4):
-        batch = make_batch(examples[start : start + 4], block_size, anchors, generator, device)
+        batch = make_batch(examples[start : start + 4], block_size, anchors, generator, device,
+                           without_image=model.config.context_without_image)
         logits, keep, drafted_labels = _labelled_logits(model, batch, block_size)
         right = torch.zeros_like(keep)  # (R, A, B); a label the drafter cannot draft stays a miss
         right[keep] = logits.argmax(-1) == drafted_labels[keep]
@@ -268,9 +273,11 @@ def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_exampl
 
     warm_steps, warm_time = config.probe_steps // 3, started
     step = start_step
+    without_image = (drafter.module if hasattr(drafter, "module") else drafter).config.context_without_image
     while step < total:
         chosen = [train_examples[generator.randrange(len(train_examples))] for _ in range(config.batch_sequences)]
-        batch = make_batch(chosen, block_size, config.anchors, generator, accelerator.device)
+        batch = make_batch(chosen, block_size, config.anchors, generator, accelerator.device,
+                           without_image=without_image)
         with accelerator.autocast():
             logits, keep, labels = _labelled_logits(model, batch, block_size)
             loss = _loss(logits, keep, labels, config.loss)

@@ -44,6 +44,10 @@ class LaSpecDrafterConfig(PreTrainedConfig):
             the target's most frequent ones (the `draft_vocab` buffer, [`LaSpecDrafterModel.set_draft_vocabulary`]):
             the LM head is the drafter's largest cost and, on a CPU, memory-bound. Other tokens are never drafted
             (the target still verifies every token, so outputs do not change).
+        context_without_image (`bool`, defaults to `False`): the context leaves out the target's states at the
+            image's positions (trained and drafted alike), so that what the drafter knows of the image comes
+            through the text positions' states and its visual branch only (an experiment on the redundant route:
+            docs/benchmarks.md).
 
     Examples:
         >>> config = LaSpecDrafterConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64,
@@ -75,6 +79,7 @@ class LaSpecDrafterConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     draft_vocab_size: int | None = None
     fuse_previous_state: bool = False
+    context_without_image: bool = False
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
