@@ -529,7 +529,7 @@ def test_image_prompts_with_an_int8_vlm_drafter(tmp_path):
     assert "Visual-token sweep" not in (tmp_path / "out" / "results.md").read_text()
 
 
-def test_visual_token_sweep_needs_laspec(tmp_path):
+def test_visual_token_sweep_runs_laspec_or_the_named_strategy(tmp_path):
     args = _args(tmp_path, "--strategies", "laspec", "chain", "--visual-tokens", "8", "2",
                  "--spec-config", 'laspec={"top_k": 2}')
     methods = bench.build_methods(args, torch.device("cpu"))
@@ -537,10 +537,28 @@ def test_visual_token_sweep_needs_laspec(tmp_path):
         ("laspec", "laspec", None, {"top_k": 2}), ("chain", "chain", None, None),
         ("laspec_m8", "laspec", 8, {"top_k": 2, "num_visual_tokens": 8}),
         ("laspec_m2", "laspec", 2, {"top_k": 2, "num_visual_tokens": 2})]
-    with pytest.raises(ValueError, match="add laspec to --strategies"):
+    with pytest.raises(ValueError, match="has no laspec"):
         _run(tmp_path, "--strategies", "chain", "--visual-tokens", "8")
-    with pytest.raises(ValueError, match="add laspec to --strategies"):
+    with pytest.raises(ValueError, match="has no laspec"):
         _run(tmp_path, "--visual-tokens", "8")  # an independent drafter: the default strategies leave laspec out
+    # an independent drafter's strategy, once per selection
+    args = _args(tmp_path, "--strategies", "chain", "sage", "--visual-tokens", "8", "0", "--visual-strategy", "sage",
+                 "--visual-selection", "prefill", "round", "--spec-config", 'sage={"n_max": 6}')
+    assert [(m.name, m.strategy, m.visual_tokens, m.visual_selection, m.spec_config)
+            for m in bench.build_methods(args, torch.device("cpu"))[-4:]] == [
+        ("sage_m8", "sage", 8, "prefill", {"n_max": 6, "visual_tokens": 8, "visual_selection": "prefill"}),
+        ("sage_m8_round", "sage", 8, "round", {"n_max": 6, "visual_tokens": 8, "visual_selection": "round"}),
+        ("sage_m0", "sage", 0, "prefill", {"n_max": 6, "visual_tokens": 0, "visual_selection": "prefill"}),
+        ("sage_m0_round", "sage", 0, "round", {"n_max": 6, "visual_tokens": 0, "visual_selection": "round"})]
+    with pytest.raises(ValueError, match="not among --strategies"):
+        bench.build_methods(_args(tmp_path, "--strategies", "chain", "--visual-tokens", "8", "--visual-strategy",
+                                  "sage"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="selects per round"):
+        bench.build_methods(_args(tmp_path, "--strategies", "laspec", "--visual-tokens", "8", "--visual-selection",
+                                  "round"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="add --visual-tokens"):
+        bench.build_methods(_args(tmp_path, "--strategies", "chain", "--visual-strategy", "chain"),
+                            torch.device("cpu"))
     with pytest.raises(ValueError, match=">= 0"):
         bench.build_methods(_args(tmp_path, "--strategies", "laspec", "--visual-tokens", "-1"), torch.device("cpu"))
     with pytest.raises(ValueError, match="--cold"):

@@ -38,6 +38,7 @@ class Method:
         resolved: the effective settings, for the report.
         strategy: the `spec_strategy` a spec method runs (default: `name`).
         visual_tokens: M of a `--visual-tokens` sweep method, else None.
+        visual_selection: when a swept independent drafter's M tokens are chosen ("prefill" / "round"), else None.
         calibration: what the cost rule learns (spec only), carried from one of this method's calls to the next.
     """
 
@@ -48,6 +49,7 @@ class Method:
     resolved: dict = field(default_factory=dict)
     strategy: Optional[str] = None
     visual_tokens: Optional[int] = None
+    visual_selection: Optional[str] = None
     calibration: SpecCalibration = field(default_factory=SpecCalibration, repr=False, compare=False)
 
     def __post_init__(self):
@@ -104,17 +106,21 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
         methods.append(Method(STOCK_DEFAULT, "stock", drafter_settings={}, resolved=base))
         methods.append(Method(STOCK_BEST, "stock", drafter_settings=dict(args.stock_best_kwargs),
                               resolved={**base, **args.stock_best_kwargs}))
-    spec = [(name, name, None, spec_configs.get(name)) for name in strategies]  # (name, strategy, M, config)
+    # (name, strategy, M, selection, config)
+    spec = [(name, name, None, None, spec_configs.get(name)) for name in strategies]
     if getattr(args, "visual_tokens", None):
-        spec += [(name, bench_vision.SWEPT_STRATEGY, count, config) for name, count, config in
-                 bench_vision.sweep_methods(args.visual_tokens, strategies, spec_configs.get("laspec"))]
-    for name, strategy, count, config in spec:
+        spec += bench_vision.sweep_methods(args.visual_tokens, strategies, spec_configs,
+                                           getattr(args, "visual_strategy", None),
+                                           getattr(args, "visual_selection", None))
+    elif getattr(args, "visual_strategy", None) or getattr(args, "visual_selection", None):
+        raise ValueError("--visual-strategy and --visual-selection shape a --visual-tokens sweep; add --visual-tokens.")
+    for name, strategy, count, selection, config in spec:
         try:
             resolved = resolve_config(strategy, config, device)
         except TypeError as exc:  # unknown field names
             raise ValueError(f"--spec-config {strategy}: {exc}") from exc
         methods.append(Method(name, "spec", spec_config=config, resolved=jsonable(dataclasses.asdict(resolved)),
-                              strategy=strategy, visual_tokens=count))
+                              strategy=strategy, visual_tokens=count, visual_selection=selection))
     return methods
 
 

@@ -84,9 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       metavar="STRATEGY=JSON", help='spec_config of a strategy, e.g. sage=\'{"n_max": 12}\' '
                       "(repeatable)")
     meth.add_argument("--visual-tokens", nargs="+", type=int, default=None, metavar="M",
-                      help="sweep laspec's visual tokens per round: one method laspec_mM per M (e.g. 0 1 2 4 8 16 "
-                      "64), spec_config num_visual_tokens=M over any --spec-config laspec=...; needs laspec in "
-                      "--strategies")
+                      help="sweep the visual tokens the drafter sees: one method per M (e.g. 0 1 2 4 8 16 64). "
+                      "laspec (the default swept strategy): laspec_mM, spec_config num_visual_tokens=M over any "
+                      "--spec-config laspec=...; another strategy (--visual-strategy) with an image-aware "
+                      "independent drafter: STRATEGY_mM, spec_config visual_tokens=M")
+    meth.add_argument("--visual-strategy", default=None, metavar="STRATEGY",
+                      help="the strategy a --visual-tokens sweep runs (default laspec; one of --strategies)")
+    meth.add_argument("--visual-selection", nargs="+", default=None, choices=("prefill", "round"),
+                      help="with an independent drafter: when the M tokens are chosen, once after the prefill "
+                      "(prefill, default) or after every round (round: methods STRATEGY_mM_round); both to compare")
     meth.add_argument("--stock-best-kwargs", type=_json_object, default=dict(DEFAULT_STOCK_BEST), metavar="JSON",
                       help="drafter generation-config settings of the stock_best run "
                       f"(default {json.dumps(DEFAULT_STOCK_BEST)})")

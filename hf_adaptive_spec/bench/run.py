@@ -210,7 +210,8 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
                      "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit,
                      "visual_tokens": getattr(args, "visual_tokens", None)},
         "methods": {m.name: {"kind": m.kind, "strategy": m.strategy if m.kind == "spec" else None,
-                             "visual_tokens": m.visual_tokens, "spec_config": m.spec_config,
+                             "visual_tokens": m.visual_tokens, "visual_selection": m.visual_selection,
+                             "spec_config": m.spec_config,
                              "drafter_settings": m.drafter_settings, "resolved": jsonable(m.resolved)}
                     for m in methods},
         "prompts": [{"id": p.id, "dataset": p.dataset, "category": p.category} for p in prompts],

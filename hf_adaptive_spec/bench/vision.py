@@ -42,6 +42,7 @@ SCENES = "scenes"
 SCENES_DEFAULT_LIMIT = 24
 SCENES_CATEGORY = "describe"
 SWEPT_STRATEGY = "laspec"
+VISUAL_SELECTIONS = ("prefill", "round")
 CLASSES = ("grounded", "other")
 
 
@@ -165,20 +166,43 @@ def grounded_table(group: dict) -> list:
 # ----------------------------------------------------------------------------
 # Visual-token sweep
 # ----------------------------------------------------------------------------
-def sweep_methods(visual_tokens: list, strategies: list, base_config: Optional[dict]) -> list:
-    """``[(method name, M, spec_config)]`` of a `--visual-tokens` sweep, M in the given order (duplicates once).
+def sweep_methods(visual_tokens: list, strategies: list, base_configs: dict, swept: Optional[str] = None,
+                  selections: Optional[list] = None) -> list:
+    """``[(method name, strategy, M, selection, spec_config)]`` of a `--visual-tokens` sweep, M in the given order
+    (duplicates once).
+
+    The swept strategy is `swept`, else laspec when it runs (``spec_config["num_visual_tokens"] = M``: its block
+    drafter's per-round selection). Another strategy drafts with an independent VLM drafter
+    (``spec_config["visual_tokens"] = M``), once per `selections` entry (``"prefill"``: chosen once, the default;
+    ``"round"``: after every round); its methods are named ``{strategy}_m{M}`` and ``{strategy}_m{M}_round``.
 
     Raises:
-        ValueError: laspec is not among `strategies`, or an M is negative.
+        ValueError: the swept strategy is not among `strategies`, an M is negative, or selections are given for
+            laspec (it always selects per round).
     """
-    if SWEPT_STRATEGY not in strategies:
-        raise ValueError(f"--visual-tokens sweeps the {SWEPT_STRATEGY} strategy: add {SWEPT_STRATEGY} to "
-                         f"--strategies (and a LaSpec drafter), got --strategies {list(strategies)}.")
+    if swept is None:
+        if SWEPT_STRATEGY not in strategies:
+            raise ValueError(f"--visual-tokens sweeps {SWEPT_STRATEGY} (with a LaSpec drafter) or the strategy of "
+                             f"--visual-strategy; --strategies {list(strategies)} has no {SWEPT_STRATEGY}.")
+        swept = SWEPT_STRATEGY
+    if swept not in strategies:
+        raise ValueError(f"--visual-strategy {swept!r} is not among --strategies {list(strategies)}.")
+    if swept == SWEPT_STRATEGY and selections:
+        raise ValueError(f"--visual-selection applies to independent VLM drafters; {SWEPT_STRATEGY} selects per round.")
+    base = base_configs.get(swept) or {}
     out = []
     for count in dict.fromkeys(visual_tokens):
         if count < 0:
             raise ValueError(f"--visual-tokens must be >= 0, got {count}.")
-        out.append((f"{SWEPT_STRATEGY}_m{count}", count, {**(base_config or {}), "num_visual_tokens": count}))
+        if swept == SWEPT_STRATEGY:
+            out.append((f"{swept}_m{count}", swept, count, None, {**base, "num_visual_tokens": count}))
+            continue
+        for selection in dict.fromkeys(selections or ["prefill"]):
+            if selection not in VISUAL_SELECTIONS:
+                raise ValueError(f"--visual-selection must be among {VISUAL_SELECTIONS}, got {selection!r}.")
+            suffix = "" if selection == "prefill" else f"_{selection}"
+            out.append((f"{swept}_m{count}{suffix}", swept, count, selection,
+                        {**base, "visual_tokens": count, "visual_selection": selection}))
     return out
 
 
@@ -200,7 +224,8 @@ def sweep_rows(methods: dict, overall: dict, records: list) -> list:
         visual = sum(s["time_visual"] for s in spec)
         pooled = summary.get("grounded_acceptance") or {}
         rows.append({
-            "method": name, "visual_tokens": info["visual_tokens"], "tau": summary["tau"],
+            "method": name, "visual_tokens": info["visual_tokens"], "selection": info.get("visual_selection"),
+            "tau": summary["tau"],
             "speedup_vs_plain": summary["speedup_vs_plain"],
             "grounded_acceptance": (pooled.get("grounded") or {}).get("acceptance"),
             "other_acceptance": (pooled.get("other") or {}).get("acceptance"),
@@ -209,18 +234,18 @@ def sweep_rows(methods: dict, overall: dict, records: list) -> list:
             "visual_share": visual / total if total else None,
             "failures": summary["failures"],
         })
-    return sorted(rows, key=lambda row: row["visual_tokens"])
+    return sorted(rows, key=lambda row: (row["selection"] or "", row["visual_tokens"]))
 
 
 def sweep_table(rows: list) -> list:
     """Markdown rows of the sweep: one line per M."""
-    lines = ["| M | method | tau | vs plain | grounded accept | other accept | selection per round | "
+    lines = ["| M | method | chosen | tau | vs plain | grounded accept | other accept | selection per round | "
              "selection share | failures |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         per_round = row["visual_s_per_round"]
         lines.append("| " + " | ".join([
-            str(row["visual_tokens"]), row["method"], _fmt(row["tau"]),
+            str(row["visual_tokens"]), row["method"], row.get("selection") or "per round (laspec)", _fmt(row["tau"]),
             "–" if row["speedup_vs_plain"] is None else f"{row['speedup_vs_plain']:.2f}x",
             _fmt(row["grounded_acceptance"]), _fmt(row["other_acceptance"]),
             "–" if per_round is None else f"{1e3 * per_round:.3f} ms",
@@ -233,16 +258,20 @@ def sweep_table(rows: list) -> list:
 def plot_visual_sweep(rows: list, figure: Callable, title: str = ""):
     """Acceptance share of grounded and other tokens against M (a figure from `figure(width, height)`); None
     without any measured share."""
-    points = {kind: [(row["visual_tokens"], row[f"{kind}_acceptance"]) for row in rows
-                     if row[f"{kind}_acceptance"] is not None] for kind in CLASSES}
+    groups = list(dict.fromkeys(row.get("selection") for row in rows))
+    points = {(kind, group): [(row["visual_tokens"], row[f"{kind}_acceptance"]) for row in rows
+                              if row.get("selection") == group and row[f"{kind}_acceptance"] is not None]
+              for kind in CLASSES for group in groups}
     if not any(points.values()):
         return None
     fig = figure(5.5, 4.0)
     ax = fig.add_subplot(1, 1, 1)
-    for kind, marker in zip(CLASSES, ("o", "s")):
-        if points[kind]:
-            xs, ys = zip(*points[kind])
-            ax.plot(xs, ys, marker=marker, label=f"{kind} tokens")
+    for (kind, group), line in points.items():
+        if line:
+            xs, ys = zip(*line)
+            label = f"{kind} tokens" + (f" ({group})" if group else "")
+            ax.plot(xs, ys, marker="o" if kind == "grounded" else "s",
+                    linestyle="-" if group in (None, "prefill") else "--", label=label)
     counts = sorted({row["visual_tokens"] for row in rows})
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xticks(counts)
@@ -251,7 +280,7 @@ def plot_visual_sweep(rows: list, figure: Callable, title: str = ""):
     ax.set_ylim(0.0, 1.0)
     ax.set_xlabel("visual tokens per round (M)")
     ax.set_ylabel("drafted and accepted / tokens")
-    ax.set_title(title or "laspec: acceptance against visual tokens", fontsize=9)
+    ax.set_title(title or "acceptance against visual tokens", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
