@@ -20,8 +20,10 @@ class RuntimeConfig:
         cpu_kernels (`bool`, *optional*): the small-batch linear kernel for the rounds on a CPU
             (`ops.cpu_linear`): True requires it (an error where it cannot run), False turns it off; None (default)
             follows `HF_ADAPTIVE_SPEC_CPU_KERNELS` (`auto`: on where it runs).
-        compact_weights (`bool`, *optional*): with the kernel, a LaSpec drafter's layers read bf16 copies of their
-            weights (drafts only); None (default): on, unless `cpu_linear.use_compact_weights(False)` is in force.
+        compact_weights (`bool`, *optional*): with the kernel, the drafter's linear layers (a LaSpec drafter's, or
+            an independent float drafter's) read bf16 copies of their weights, made for the call (drafts only: the
+            target decides every token; the copies take half the drafter's float32 weight memory while the call
+            runs); None (default): on, unless `cpu_linear.use_compact_weights(False)` is in force.
         lean_forward (`bool`, *optional*): round forwards of supported models skip transformers' per-module Python
             (`adapters.lean`; bitwise the same logits); None (default): on, unless `lean.use_lean_forward(False)` is
             in force.

@@ -16,7 +16,7 @@ Use:
   speculative loop wraps its rounds in it; the prefill stays stock).
 - Compact drafter weights: a drafter only proposes tokens (the target decides each one), and a drafter
   forward on a CPU is bound by reading its weights. The layers of the models passed as `compact` (the loop
-  passes a LaSpec drafter) read a bf16 copy of each fp32 weight, widened to fp32 in registers, for 1..
+  passes the drafter: a LaSpec one, or an independent one) read a bf16 copy of each fp32 weight, widened to fp32 in registers, for 1..
   `max_rows()` rows: half the bytes. A weight that is exactly a bf16 value (a drafter loaded from a bf16
   checkpoint) gives bitwise the fp32 kernel's result; others (the LaSpec draft head: rows of the target's
   LM head) are rounded to bf16 for drafting only. `use_compact_weights(False)` reads the fp32 weights.
