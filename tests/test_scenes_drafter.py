@@ -188,3 +188,38 @@ def test_visual_tokens_is_refused_where_it_cannot_apply(tiny_vlm, tiny_language_
         model.generate(**inputs, max_new_tokens=4, assistant_model=text_drafter, spec_strategy="chain",
                        spec_config={"visual_tokens": 4, "visual_selection": "always"})
     assert hf_adaptive_spec is not None
+
+
+def test_the_shipped_drafter_reads_the_image_and_decodes_exactly(tmp_path_factory, easy_vqa_archive):  # noqa: F811
+    """The real scenes-vlm-drafter-16m (assembled here from the real scenes VLM and the shipped parts): every
+    strategy, with the whole image and with 8 tokens chosen per round, equals plain greedy at batch 1 and 2; it
+    drafts the scene's colours (tau well above 1), and blind (visual_tokens=0) it accepts fewer tokens."""
+    import hf_adaptive_spec  # noqa: F401
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from conftest import fetch_real_smollm2
+    from hf_adaptive_spec.scenes.drafter import fetch_scenes_drafter
+    from hf_adaptive_spec.scenes.vlm import fetch_scenes_vlm
+
+    _, language = fetch_real_smollm2(tmp_path_factory)
+    cache = tmp_path_factory.mktemp("scenes_drafter")
+    target_path = fetch_scenes_vlm(cache_dir=cache, language_model=language, progress=False)
+    model = AutoModelForImageTextToText.from_pretrained(target_path).eval()
+    processor = AutoProcessor.from_pretrained(target_path)
+    drafter = AutoModelForImageTextToText.from_pretrained(
+        fetch_scenes_drafter(cache_dir=cache, target=target_path, progress=False)).eval()
+    scenes = make_scenes("test", 2, start=8)
+    inputs = _inputs(processor, [s.image for s in scenes])
+    plain = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+    taus = {}
+    for strategy, config in (("chain", {}), ("static_tree", {}), ("sage", {}),
+                             ("sage", {"visual_tokens": 8, "visual_selection": "round"}), ("chain", {"visual_tokens": 0})):
+        for rows in (slice(0, 1), slice(0, 2)):
+            batch = _inputs(processor, [s.image for s in scenes[rows]])
+            expected = plain[rows] if rows.stop == 2 else model.generate(**batch, max_new_tokens=32, do_sample=False)
+            out = model.generate(**batch, max_new_tokens=32, do_sample=False, assistant_model=drafter,
+                                 spec_strategy=strategy, spec_config=config, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, expected), (strategy, config, rows)
+            taus[(strategy, str(config), rows.stop)] = out.spec_stats.mean_accepted_length
+    assert taus[("chain", "{}", 2)] > 3.0, taus
+    assert taus[("chain", "{'visual_tokens': 0}", 2)] < taus[("chain", "{}", 2)], taus
