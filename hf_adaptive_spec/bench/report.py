@@ -217,9 +217,12 @@ def write_markdown(results: dict, path: Path) -> None:
                       "made: prefill, bonus and correction tokens); share: accepted / tokens.", ""]
             lines += grounded + [""]
     if results.get("visual_sweep"):
-        lines += ["## Visual-token sweep (laspec)", "",
-                  "M visual tokens selected per round for the drafter. tau and speedup over plain on every data "
-                  "set; grounded / other: acceptance share on scene prompts; selection: visual-token selection "
+        swept = sorted({results["methods"][row["method"]]["strategy"] for row in results["visual_sweep"]
+                        if row["method"] in results.get("methods", {})})
+        lines += [f"## Visual-token sweep ({', '.join(swept)})", "",
+                  "M visual tokens the drafter sees, chosen by the target's attention (laspec: per round; an "
+                  "independent drafter: once after the prefill, or per round). tau and speedup over plain on every "
+                  "data set; grounded / other: acceptance share on scene prompts; selection: visual-token selection "
                   "time per round and as a share of the run's time.", ""]
         lines += bench_vision.sweep_table(results["visual_sweep"]) + [""]
     plots = results.get("plots", {})
