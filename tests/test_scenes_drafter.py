@@ -1,6 +1,8 @@
 """The image-aware scenes drafter: assembly and the Auto classes, training (loss falls, resume), and decoding with it
 (every strategy and every visual selection equal to plain greedy; M = 0 runs no selection work)."""
 
+import random
+
 import pytest
 import torch
 
@@ -80,6 +82,28 @@ def test_a_tiny_training_run_lowers_the_loss_and_resumes_to_the_same_weights(tin
     drafter, result = run(tmp_path / "a", 40)
     after = evaluate_drafter(drafter, result["embedding_map"], embedding, records, pad)["loss"]
     assert after < before - 1.0, (before, after)
+    # per-position selections: each answer position's M tokens, picked by the query before it
+    from hf_adaptive_spec.training.scenes_drafter import add_round_selections
+
+    add_round_selections(model, records, config, progress=False)
+    for record in records:
+        answer = len(record["ids"]) - record["prompt_length"]
+        assert record["per_position"][8].shape == (answer, 8) and set(record["per_position"]) == {2, 8}
+        assert int(record["per_position"][8].max()) < 64
+    round_config = DrafterTrainConfig(**{**config.__dict__, "round_selection": 1.0, "visual_dropout": 1.0,
+                                         "visual_keep": (2,)})
+    from hf_adaptive_spec.training.scenes_drafter import _batch
+
+    batch = _batch(records[:2], pad, model.config.image_token_index, random.Random(0), round_config)
+    image = batch["input_ids"] == model.config.image_token_index
+    for row, record in enumerate(records[:2]):
+        start = batch["input_ids"].shape[1] - len(record["ids"])
+        first_answer = start + record["prompt_length"]
+        seen = batch["visible"][row][:, image[row]]  # (queries, 64)
+        assert seen[first_answer - 1].nonzero().squeeze(1).tolist() == sorted(record["selected"][2])
+        assert seen[first_answer].nonzero().squeeze(1).tolist() == sorted(record["per_position"][2][0].tolist())
+        assert bool(batch["visible"][row][:, ~image[row]].all())
+    assert evaluate_drafter(drafter, result["embedding_map"], embedding, records, pad, keep=2, per_round=True)["tokens"]
     # stop at 20 (a checkpoint), resume to 40: the same weights as one run
     run(tmp_path / "b", 20)
     resumed, again = run(tmp_path / "b", 40, resume=True)

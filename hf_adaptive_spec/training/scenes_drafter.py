@@ -46,6 +46,8 @@ class DrafterTrainConfig:
     warmup: int = 50
     visual_dropout: float = 0.5
     visual_keep: tuple = (0, 1, 2, 4, 8, 16)
+    round_selection: float = 0.0  # share of the dropped-out samples whose tokens are chosen per position (needs
+    # `add_round_selections`: each answer position sees the M tokens the target's query at the position before picks)
     eval_scenes: int = 32  # held-out test scenes from index 1000 on (the bench uses the first ones)
     eval_every: int = 200
     checkpoint_every: int = 200
@@ -120,27 +122,84 @@ def make_drafter_data(target, processor, scenes: list, config: DrafterTrainConfi
     return records
 
 
+@torch.no_grad()
+def add_round_selections(target, records: list, config: DrafterTrainConfig, batch_size: int = 16,
+                         progress: bool = True) -> None:
+    """Add to each record `per_position` = {M: (A, M) visual token ranks}: for the A answer tokens, the M tokens
+    the target's query at the position before each picks (what a drafter whose tokens are chosen after every round,
+    `visual_selection="round"`, sees while it drafts there), from one teacher-forced forward of prompt + answer."""
+    from tqdm.auto import tqdm
+
+    from ..drafters.vision import QueryCapture, VisualKeyStore, select_visual_tokens
+    from ..drafters.visual_view import image_token_mask, selection_layers
+
+    layers = selection_layers(target.config.get_text_config().num_hidden_layers)
+    keeps = sorted({m for m in config.visual_keep if m > 0})
+    for first in tqdm(range(0, len(records), batch_size), desc="per-position selections", disable=not progress):
+        chunk = records[first : first + batch_size]
+        width = max(len(r["ids"]) for r in chunk)
+        input_ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for row, record in enumerate(chunk):
+            input_ids[row, width - len(record["ids"]):] = record["ids"]
+            attention[row, width - len(record["ids"]):] = 1
+        image = image_token_mask(target, input_ids)
+        # the image's embeddings from the stored tower features through the target's projector (no pixels kept)
+        embeds = target.get_input_embeddings()(input_ids)
+        projected = target.model.multi_modal_projector(torch.stack([r["features"] for r in chunk]).float())
+        embeds = embeds.masked_scatter(image[..., None], projected.to(embeds.dtype))
+        with QueryCapture(target, layers) as capture:
+            capture.keep_prompt_keys = True
+            target(inputs_embeds=embeds, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp_min(0),
+                   use_cache=False, logits_to_keep=1)
+        store = VisualKeyStore.from_keys({layer: capture.prompt_keys[layer] for layer in layers}, image)
+        for row, record in enumerate(chunk):
+            start = width - len(record["ids"])
+            positions = torch.arange(start + record["prompt_length"] - 1, width - 1)  # queries at P-1 .. L-2
+            count = len(positions)
+            expanded = VisualKeyStore({l: q[row : row + 1].expand(count, *q.shape[1:]) for l, q in store.quantized.items()},
+                                      {l: c[row : row + 1].expand(count, *c.shape[1:]) for l, c in store.scales.items()},
+                                      store.positions[row : row + 1].expand(count, -1),
+                                      store.valid[row : row + 1].expand(count, -1), (store.counts[row],) * count)
+            queries = {layer: capture.queries[layer][row, :, positions].transpose(0, 1) for layer in layers}
+            image_slots = store.positions[row]
+            record["per_position"] = {}
+            for m in keeps:
+                slots = select_visual_tokens(queries, expanded, m_per_layer=2 * m, keep=m, timed=False)[0]
+                record["per_position"][m] = torch.searchsorted(image_slots, slots.clamp_min(0))
+
+
 def _batch(records: list, pad: int, image_token: int, rng: random.Random, config: DrafterTrainConfig) -> dict:
-    """Left-padded inputs of `records` with the visual tokens each row sees (top-M for a dropped-out row)."""
+    """Left-padded inputs of `records` with the visual tokens each query row sees, `visible` `(B, L, L)` over keys:
+    all of them, or for a dropped-out sample the top-M chosen once after the prefill, or (a `round_selection`
+    share, with `add_round_selections`' data) at each answer row the top-M the target's query before it picks."""
     width = max(len(r["ids"]) for r in records)
     batch = len(records)
     input_ids = torch.full((batch, width), pad, dtype=torch.long)
     attention = torch.zeros(batch, width, dtype=torch.bool)
-    visible = torch.ones(batch, width, dtype=torch.bool)
+    visible = torch.ones(batch, width, width, dtype=torch.bool)
     labels = torch.full((batch, width), -100, dtype=torch.long)
     for row, record in enumerate(records):
         ids = record["ids"]
         start = width - len(ids)
+        prompt = record["prompt_length"]
         input_ids[row, start:] = ids
         attention[row, start:] = True
-        labels[row, start + record["prompt_length"] - 1 : width - 1] = ids[record["prompt_length"]:]
+        labels[row, start + prompt - 1 : width - 1] = ids[prompt:]
         if rng.random() < config.visual_dropout:
             keep = rng.choice(config.visual_keep)
+            per_round = (keep > 0 and config.round_selection > 0 and "per_position" in record
+                         and rng.random() < config.round_selection)
             slots = (input_ids[row] == image_token).nonzero().squeeze(1)
-            hidden = torch.ones(len(slots), dtype=torch.bool)
+            seen = torch.zeros(width, len(slots), dtype=torch.bool)  # (query rows, image tokens)
             if keep > 0:
-                hidden[torch.tensor(record["selected"][keep])] = False
-            visible[row, slots[hidden]] = False
+                seen[:, torch.tensor(record["selected"][keep])] = True
+            if per_round:  # answer row P + k sees what the query at P - 1 + k picks
+                chosen = record["per_position"][keep]  # (A, M)
+                rows = start + prompt + torch.arange(chosen.shape[0])
+                seen[rows] = False
+                seen[rows[:, None], chosen] = True
+            visible[row][:, slots] = seen
     features = torch.stack([r["features"] for r in records]).float()
     return {"input_ids": input_ids, "attention": attention, "visible": visible, "labels": labels,
             "features": features}
@@ -155,18 +214,26 @@ def drafter_logits(drafter, embedding_map, target_embedding, batch: dict) -> tup
     image = input_ids == drafter.config.image_token_index
     projected = drafter.model.multi_modal_projector(batch["features"])  # (B, T, H)
     embeds = embeds.masked_scatter(image[..., None], projected.to(embeds.dtype))
-    positions = (batch["attention"].long().cumsum(-1) - 1).clamp_min(0)
-    mask = (batch["attention"] & batch["visible"]).long()
+    attention = batch["attention"]
+    positions = (attention.long().cumsum(-1) - 1).clamp_min(0)
+    width = input_ids.shape[1]
+    allowed = torch.ones(width, width, dtype=torch.bool).tril()[None] & attention[:, None, :] & batch["visible"]
+    alone = ~allowed.any(-1)  # padding rows: themselves only (no row of -inf)
+    allowed |= torch.eye(width, dtype=torch.bool)[None] & alone[..., None]
+    mask = torch.zeros(allowed.shape, dtype=embeds.dtype).masked_fill(~allowed, float("-inf"))[:, None]
     hidden = drafter.model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).last_hidden_state
     where = batch["labels"] != -100
     return hidden[where] @ weight.T, batch["labels"][where]
 
 
 @torch.no_grad()
-def evaluate_drafter(drafter, embedding_map, target_embedding, records: list, pad: int, keep=None) -> dict:
-    """Top-1 agreement with the target's answer tokens on `records` (all visual tokens, or the top-`keep`)."""
+def evaluate_drafter(drafter, embedding_map, target_embedding, records: list, pad: int, keep=None,
+                     per_round: bool = False) -> dict:
+    """Top-1 agreement with the target's answer tokens on `records` (all visual tokens, or the top-`keep` chosen
+    once, or per answer position with `per_round`)."""
     config = DrafterTrainConfig(visual_dropout=1.0 if keep is not None else 0.0,
-                                visual_keep=(keep,) if keep is not None else (0,))
+                                visual_keep=(keep,) if keep is not None else (0,),
+                                round_selection=1.0 if per_round else 0.0)
     right = total = 0
     loss = 0.0
     for first in range(0, len(records), 16):

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output folder (data, checkpoints, trained parts)")
     parser.add_argument("--target", default="scenes-vlm-135m", help="registry name or folder of the scenes VLM")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--init-from", default=None,
+                        help="start from trained parts (a folder written by train-scenes-drafter, or 'shipped')")
     parser.add_argument("--assemble", action="store_true", help="also write the full HF checkpoint to --out/model")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
@@ -42,8 +44,10 @@ def run(args) -> int:
 
     from ..loading import load_model, resolve_path
     from ..scenes.dataset import make_scenes
-    from ..scenes.drafter import assemble_scenes_drafter, build_scenes_drafter, save_drafter_parts
-    from .scenes_drafter import DrafterTrainConfig, evaluate_drafter, make_drafter_data, train_scenes_drafter
+    from ..scenes.drafter import (SHIPPED, assemble_scenes_drafter, build_scenes_drafter, load_drafter_parts,
+                                  save_drafter_parts)
+    from .scenes_drafter import (DrafterTrainConfig, add_round_selections, evaluate_drafter, make_drafter_data,
+                                 train_scenes_drafter)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,18 +72,28 @@ def run(args) -> int:
                                                                     start=1000), config, progress=progress)
         data = {"settings": wanted, "train": train, "eval": held_out}
         torch.save(data, data_file)
+    if config.round_selection > 0 and any("per_position" not in r for r in data["train"] + data["eval"]):
+        add_round_selections(target, data["train"] + data["eval"], config, progress=progress)
+        torch.save(data, data_file)
     data_seconds = time.time() - started
     drafter, embedding_map = build_scenes_drafter(target, seed=config.seed)
+    if args.init_from:
+        embedding_map = load_drafter_parts(drafter, target, SHIPPED if args.init_from == "shipped" else args.init_from)
     pad = processor.tokenizer.pad_token_id if processor.tokenizer.pad_token_id is not None else 0
     embedding = target.get_input_embeddings().weight.detach()
     result = train_scenes_drafter(drafter, embedding_map, embedding, data["train"], data["eval"], pad, config,
                                   out_dir=out, resume=args.resume, progress=progress)
     keeps = {str(m): evaluate_drafter(drafter, result["embedding_map"], embedding, data["eval"], pad,
                                       keep=m)["top1"] for m in config.visual_keep}
+    per_round = {}
+    if config.round_selection > 0:
+        per_round = {str(m): evaluate_drafter(drafter, result["embedding_map"], embedding, data["eval"], pad, keep=m,
+                                              per_round=True)["top1"] for m in config.visual_keep if m > 0}
     info = {"config": result["config"], "steps": config.steps, "train_examples": len(data["train"]),
             "seconds": round(time.time() - started, 1), "data_seconds": round(data_seconds, 1),
             "eval": result["evals"][-1] if result["evals"] else None, "evals": result["evals"],
-            "eval_top1_with_top_m_visual_tokens": keeps, "target": args.target,
+            "eval_top1_with_top_m_visual_tokens": keeps, "eval_top1_with_top_m_chosen_per_position": per_round,
+            "init_from": args.init_from, "target": args.target,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
     save_drafter_parts(drafter, result["embedding_map"], out, info)
     (out / "history.json").write_text(json.dumps(result["history"]) + "\n")
