@@ -63,6 +63,9 @@ BAD_VALUES = [
     (SageConfig, "depth_cap", -5, ValueError),
     (SageConfig, "adaptive_history", 0, TypeError),
     (SageConfig, "verify_cost", "no", TypeError),
+    *[(config_class, name, value, error) for config_class in (ChainConfig, StaticTreeConfig, SageConfig)
+      for name, value, error in (("visual_tokens", 2.0, TypeError), ("visual_tokens", -1, ValueError),
+                                 ("visual_selection", None, TypeError), ("visual_selection", "always", ValueError))],
     (LaSpecConfig, "block_size", 4.0, TypeError),
     (LaSpecConfig, "block_size", 0, ValueError),
     (LaSpecConfig, "top_k", "2", TypeError),
@@ -190,7 +193,7 @@ def test_to_dict_from_dict_round_trip_through_json(config):
 
 def test_static_tree_paths_come_back_as_tuples():
     values = json.loads(json.dumps(StaticTreeConfig(paths=[(0,), (0, 1), (0, 0)]).to_dict()))
-    assert values == {"paths": [[0], [0, 0], [0, 1]]}
+    assert values == {"paths": [[0], [0, 0], [0, 1]], "visual_tokens": None, "visual_selection": "prefill"}
     assert StaticTreeConfig.from_dict(values).paths == [(0,), (0, 0), (0, 1)]
 
 

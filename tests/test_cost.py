@@ -139,11 +139,11 @@ def test_cost_rule_trims_trees_and_output_stays_exact(arch, monkeypatch):
     stats = out.spec_stats
     assert stats.drafted_tokens <= stats.row_rounds  # at most one draft node per row and round
     assert stats.pruned_tokens > 0
-    # a flat curve keeps whole trees
+    # a flat curve keeps whole trees (the copy drafts with the target's own float weights: every draft accepted)
     flat = CostProfile(sizes=[1, 64], seconds=[1.0, 1.0])
     out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
                           spec_strategy="sage", spec_config=config, return_dict_in_generate=True,
-                          spec_calibration=cost.SpecCalibration(flat))
+                          spec_calibration=cost.SpecCalibration(flat), spec_runtime={"compact_weights": False})
     assert torch.equal(out.sequences, expected)
     assert out.spec_stats.mean_accepted_length == pytest.approx(5.0, abs=0.6)
 
