@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import tempfile
+import time
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 from ..locations import ENV_CACHE, default_cache_root
 from .entries import ModelEntry, get_entry, normalize_dtype
 from .errors import DiskSpaceError
 
-__all__ = ["FORMAT_VERSION", "MARKER", "check_disk", "file_lock", "folder_name", "is_cached", "marker_ok",
-           "model_dir", "read_marker", "remove_stale"]
+__all__ = ["FORMAT_VERSION", "MARKER", "assembled_once", "check_disk", "file_lock", "folder_name", "is_cached",
+           "marker_ok", "model_dir", "read_marker", "remove_stale"]
 
 
 #: Name of the marker file that makes a cached folder valid. Written last.
@@ -90,3 +93,35 @@ def check_disk(root: Path, entry: ModelEntry, dtype: str) -> None:
 def remove_stale(root: Path, prefix: str) -> None:
     for stale in root.glob(prefix + "*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def assembled_once(root: Path, name: str, key: dict, build: Callable[[Path], Path], info: Optional[dict] = None,
+                   force: bool = False) -> Path:
+    """`root / name`, a folder assembled by `build(folder) -> folder` once: valid while its marker records `key`
+    (e.g. the sha256 of the parts it was assembled from), rebuilt otherwise (or with `force`). The build runs in a
+    temporary folder beside it under a lock and is moved into place whole, marker written last (`info` is
+    recorded beside `key`)."""
+    root = Path(root)
+    final = root / name
+
+    def complete() -> bool:
+        recorded = read_marker(final)
+        return isinstance(recorded, dict) and all(recorded.get(k) == v for k, v in key.items())
+
+    if not force and complete():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with file_lock(root / f".{name}.lock"):
+        if not force and complete():
+            return final
+        work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+        try:
+            built = build(work / "model")
+            (built / MARKER).write_text(json.dumps({"name": name, **(info or {}), **key,
+                                                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=2) + "\n")
+            if final.exists():
+                os.replace(final, work / "old")
+            os.replace(built, final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final

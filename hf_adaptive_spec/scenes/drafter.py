@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Optional, Union
 
@@ -51,7 +48,6 @@ PARTS_FILE = "drafter_parts.safetensors"
 TRAINED_PREFIXES = ("model.multi_modal_projector.", "model.language_model.layers.", "model.language_model.norm.")
 EMBEDDING_MAP = "embedding_map"
 SHIPPED = Path(__file__).parent.parent / "checkpoints" / SCENES_DRAFTER
-MARKER = ".hf_adaptive_spec_complete.json"
 
 
 def drafter_config(target_config):
@@ -220,7 +216,7 @@ def fetch_scenes_drafter(cache_dir: Optional[Union[str, Path]] = None, progress:
         FileNotFoundError: no parts are shipped or given.
     """
     from ..locations import default_cache_root
-    from ..registry.cache import file_lock
+    from ..registry.cache import assembled_once
     from .vlm import fetch_scenes_vlm
 
     parts = Path(parts) if parts is not None else SHIPPED
@@ -229,31 +225,9 @@ def fetch_scenes_drafter(cache_dir: Optional[Union[str, Path]] = None, progress:
                                 f"`hf-adaptive-spec train-scenes-drafter` and pass the folder.")
     digest = hashlib.sha256((parts / PARTS_FILE).read_bytes()).hexdigest()
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    final = root / SCENES_DRAFTER
-    marker = final / MARKER
 
-    def complete() -> bool:
-        try:
-            return json.loads(marker.read_text()).get("parts_sha256") == digest
-        except (OSError, ValueError):
-            return False
+    def build(folder: Path) -> Path:
+        base = target if target is not None else fetch_scenes_vlm(cache_dir=cache_dir, progress=progress)
+        return assemble_scenes_drafter(base, parts, folder)
 
-    if not force and complete():
-        return final
-    target = target if target is not None else fetch_scenes_vlm(cache_dir=cache_dir, progress=progress)
-    root.mkdir(parents=True, exist_ok=True)
-    with file_lock(root / f".{SCENES_DRAFTER}.lock"):
-        if not force and complete():
-            return final
-        work = Path(tempfile.mkdtemp(prefix=f".{SCENES_DRAFTER}.tmp-", dir=root))
-        try:
-            build = assemble_scenes_drafter(target, parts, work / "model")
-            (build / MARKER).write_text(json.dumps({
-                "name": SCENES_DRAFTER, "target": TARGET, "parts_sha256": digest,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=2) + "\n")
-            if final.exists():
-                os.replace(final, work / "old")
-            os.replace(build, final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return final
+    return assembled_once(root, SCENES_DRAFTER, {"parts_sha256": digest}, build, {"target": TARGET}, force=force)

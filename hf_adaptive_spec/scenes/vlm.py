@@ -19,10 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Optional, Union
 
@@ -59,7 +55,6 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_SUFFIXES = (".lora_A", ".lora_B")
 TRAINED_FILE = "trained_parts.safetensors"
 SHIPPED = Path(__file__).parent.parent / "checkpoints" / SCENES_VLM
-MARKER = ".hf_adaptive_spec_complete.json"
 
 # SmolLM2's ChatML template, walking content parts: {"type": "image"} becomes the image placeholder.
 CHAT_TEMPLATE = (
@@ -313,7 +308,7 @@ def fetch_scenes_vlm(cache_dir: Optional[Union[str, Path]] = None, progress: boo
         FileNotFoundError: no trained parts are shipped or given.
     """
     from ..locations import default_cache_root
-    from ..registry.cache import file_lock
+    from ..registry.cache import assembled_once
     from ..registry.models import fetch
 
     parts = Path(trained_parts) if trained_parts is not None else SHIPPED
@@ -324,31 +319,10 @@ def fetch_scenes_vlm(cache_dir: Optional[Union[str, Path]] = None, progress: boo
 
     digest = hashlib.sha256((parts / TRAINED_FILE).read_bytes()).hexdigest()
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    final = root / SCENES_VLM
-    marker = final / MARKER
 
-    def complete() -> bool:
-        try:
-            return json.loads(marker.read_text()).get("trained_parts_sha256") == digest
-        except (OSError, ValueError):
-            return False
-
-    if not force and complete():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with file_lock(root / f".{SCENES_VLM}.lock"):
-        if not force and complete():
-            return final
+    def build(folder: Path) -> Path:
         language = language_model or fetch(LANGUAGE_MODEL, cache_dir=cache_dir, progress=progress)
-        work = Path(tempfile.mkdtemp(prefix=f".{SCENES_VLM}.tmp-", dir=root))
-        try:
-            build = assemble_scenes_vlm(language, parts, work / "model")
-            (build / MARKER).write_text(json.dumps({
-                "name": SCENES_VLM, "language_model": str(language_model or LANGUAGE_MODEL), "trained_parts_sha256": digest,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=2) + "\n")
-            if final.exists():
-                os.replace(final, work / "old")
-            os.replace(build, final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return final
+        return assemble_scenes_vlm(language, parts, folder)
+
+    return assembled_once(root, SCENES_VLM, {"trained_parts_sha256": digest}, build,
+                          {"language_model": str(language_model or LANGUAGE_MODEL)}, force=force)
