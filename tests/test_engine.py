@@ -224,6 +224,9 @@ def test_bad_requests_a_full_queue_and_a_stopped_engine_are_refused():
         Engine(target, None, strategy="chain")
     with pytest.raises(ValueError, match="drafts nothing"):
         Engine(target, build_drafter("llama", target, "small"), strategy="plain")
+    with pytest.raises(ValueError, match="visual_selection='prefill'"):
+        Engine(target, build_drafter("llama", target, "small"), strategy="sage",
+               spec_config={"visual_tokens": 8, "visual_selection": "round"})
     engine.start()
     gate, started = threading.Event(), threading.Event()
     try:

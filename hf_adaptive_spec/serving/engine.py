@@ -35,7 +35,7 @@ import torch
 from ..cost import SpecCalibration
 from ..decoding.integration import prefilled_run
 from ..runtime import resolve_runtime
-from ..strategies import get_strategy_class
+from ..strategies import get_strategy_class, resolve_config
 
 __all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "RequestHandle"]
 
@@ -211,6 +211,11 @@ class Engine:
             raise ValueError(f"strategy {strategy!r} needs a drafter.")
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}.")
+        visual = resolve_config(strategy, spec_config, model.device).independent_drafter_options()
+        if visual.get("visual_selection") == "round":
+            raise ValueError("spec_config visual_selection='round' re-picks a drafter's visual tokens from the rows' "
+                             "own queries every round, which rows joining a running batch cannot share yet; serve "
+                             "with visual_selection='prefill' (or without visual_tokens).")
         self.model, self.drafter, self.strategy, self.spec_config = model, drafter, strategy, spec_config
         self.spec_runtime = resolve_runtime(spec_runtime)
         self.max_batch, self.max_queue = max_batch, max_queue
