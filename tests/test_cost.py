@@ -312,16 +312,66 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
     assert model.plain_rate() == pytest.approx(0.04)  # none measured: the profile's T(1)
     model.observe_rate(False, round_seconds=0.045, tokens=1)  # a root-only round: 45 ms per token
     assert model.plain_rate() == pytest.approx(0.045)
-    decisions = [model.pause_drafting() for _ in range(2 * CostModel.PROBE_EVERY)]
-    probe = [True] * (CostModel.PROBE_EVERY - 1) + [False]
-    assert decisions == probe * 2  # drafts once (a probe) every PROBE_EVERY rounds
+    intervals = [CostModel.PROBE_EVERY * 2 ** k for k in range(3)] + [CostModel.MAX_PROBE_EVERY] * 2
+    assert intervals[:3] == [8, 16, 32] and CostModel.MAX_PROBE_EVERY == 32
+    decisions = [model.pause_drafting() for _ in range(sum(intervals))]
+    # drafts once (a probe) after PROBE_EVERY rounds, then twice as long after each probe that finds no gain
+    assert decisions == [d for n in intervals for d in [True] * (n - 1) + [False]]
     for _ in range(30):
         model.observe_rate(True, round_seconds=0.06, tokens=3)  # drafting pays again: 20 ms per token
     assert not any(model.pause_drafting() for _ in range(10))
+    for _ in range(30):
+        model.observe_rate(True, round_seconds=0.06, tokens=1)  # and stops paying: probes start at PROBE_EVERY again
+    decisions = [model.pause_drafting() for _ in range(CostModel.PROBE_EVERY)]
+    assert decisions == [True] * (CostModel.PROBE_EVERY - 1) + [False]
     gpu = CostModel(CostProfile(sizes=[1], seconds=[1.0]), max_tokens=8, device="cpu", live_scale=False)
     for _ in range(10):
         gpu.observe_rate(True, round_seconds=9.0, tokens=1)
     assert not gpu.pause_drafting()  # host times are launch times there: never paused
+
+
+@pytest.mark.measured_cost
+def test_a_pause_ends_only_when_drafting_is_clearly_faster():
+    """Drafting goes on while drafted rounds are not slower than root-only ones; a pause ends only once they are
+    faster by `RESUME_MARGIN` (equal rates do not flap, and lean to plain steps); the pause of one batch size
+    survives the batch's other sizes."""
+    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", rows=1)
+    model.observe_rate(False, round_seconds=0.05, tokens=1)  # root-only rounds: 50 ms per token
+    for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
+        model.observe_rate(True, round_seconds=0.05, tokens=1)  # drafted rounds: as fast
+    assert not model.pause_drafting()  # not slower: drafting goes on
+    for _ in range(40):
+        model.observe_rate(True, round_seconds=0.052, tokens=1)
+    assert model.pause_drafting()  # 4% slower: paused
+    for _ in range(40):
+        model.observe_rate(True, round_seconds=0.0495, tokens=1)  # 1% faster: within the margin, still paused
+    assert model.pause_drafting()
+    model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.08, 0.09]), rows=2)  # a request joins
+    assert not model.pause_drafting()  # two rows: nothing measured yet
+    model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), rows=1)  # and leaves
+    assert model.pause_drafting()  # the pause of one row goes on
+    for _ in range(40):
+        model.observe_rate(True, round_seconds=0.045, tokens=1)  # 10% faster: drafting again
+    assert not model.pause_drafting()
+
+
+@pytest.mark.measured_cost
+def test_a_calibration_keeps_each_batch_sizes_pause_across_calls():
+    """A serving engine's batches close when the load drains: the verdict of each batch size lives in the
+    `SpecCalibration` (per drafter and strategy), so the next batch of that size starts paused."""
+    calibration, drafter = cost.SpecCalibration(), torch.nn.Linear(1, 1)
+    profile = CostProfile(sizes=[1, 2], seconds=[0.32, 0.4])
+    first = CostModel(profile, max_tokens=8, device="cpu", rows=8, pauses=calibration.pauses(drafter, "laspec"))
+    for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
+        first.observe_rate(True, round_seconds=0.48, tokens=8)  # slower than a plain step of 8 rows
+    assert first.pause_drafting(active_rows=8)
+    again = CostModel(profile, max_tokens=8, device="cpu", rows=8, pauses=calibration.pauses(drafter, "laspec"))
+    assert again.pause_drafting(active_rows=8)
+    other = CostModel(profile, max_tokens=8, device="cpu", rows=8, pauses=calibration.pauses(drafter, "sage"))
+    assert not other.pause_drafting(active_rows=8)
+    calibration.reset()
+    fresh = CostModel(profile, max_tokens=8, device="cpu", rows=8, pauses=calibration.pauses(drafter, "laspec"))
+    assert not fresh.pause_drafting(active_rows=8)
 
 
 @pytest.mark.measured_cost

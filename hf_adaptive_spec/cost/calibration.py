@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .profile import CostProfile
 
-__all__ = ["ENV_COST_PROFILE", "AcceptanceCalibrator", "Calibration", "LookupCalibrator", "SpecCalibration",
-           "verified_nodes"]
+__all__ = ["ENV_COST_PROFILE", "AcceptanceCalibrator", "Calibration", "LookupCalibrator", "PauseState",
+           "SpecCalibration", "verified_nodes"]
 
 ENV_COST_PROFILE = "HF_ADAPTIVE_SPEC_COST_PROFILE"
 
@@ -91,6 +91,20 @@ def verified_nodes(tree, target_choice: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 @dataclass
+class PauseState:
+    """What the pausing of drafting (`CostModel.pause_drafting`) knows at one batch size: the running seconds and
+    tokens of drafted rounds and of rounds that verified the root alone, and where the pause stands."""
+
+    drafted: list = field(default_factory=lambda: [0.0, 0.0])  # seconds, tokens (running sums)
+    plain: list = field(default_factory=lambda: [0.0, 0.0])
+    drafted_rounds: int = 0
+    paused_in_a_row: int = 0
+    pausing: bool = False  # in a pause (rounds verify the root alone, but for probes)
+    probe_every: int = 0  # rounds between probes while pausing (0: the rule's first interval)
+    trimmed_empty: int = 0  # drafted rounds in a row whose trimmed trees kept no draft node
+
+
+@dataclass
 class Calibration:
     """What the cost rule learns online in one setting (drafter, strategy, verifier): drafter and lookup
     acceptance, and the profile's live scale."""
@@ -135,6 +149,7 @@ class SpecCalibration:
             raise TypeError(f"SpecCalibration(cost_profile=...) takes a CostProfile, got {type(cost_profile).__name__}.")
         self.cost_profile = cost_profile
         self._per_drafter = weakref.WeakKeyDictionary()  # drafter module -> {setting: Calibration}
+        self._pauses = weakref.WeakKeyDictionary()  # drafter module -> {strategy: {batch size: PauseState}}
 
     @classmethod
     def from_env(cls) -> "SpecCalibration | None":
@@ -160,6 +175,11 @@ class SpecCalibration:
             per_drafter[setting] = Calibration.fresh(device)
         return per_drafter[setting]
 
+    def pauses(self, drafter, strategy: str) -> dict:
+        """`{batch size: PauseState}` of `drafter` under `strategy`: whether drafting pays at each batch size, kept
+        across calls (a serving engine's batches open and close with the load; a batch size keeps its verdict)."""
+        return self._pauses.setdefault(drafter, {}).setdefault(strategy, {})
+
     def settings(self) -> list:
         """The settings learned so far, over all drafters still alive."""
         return [setting for per_drafter in self._per_drafter.values() for setting in per_drafter]
@@ -167,3 +187,4 @@ class SpecCalibration:
     def reset(self) -> None:
         """Forget everything learned."""
         self._per_drafter = weakref.WeakKeyDictionary()
+        self._pauses = weakref.WeakKeyDictionary()

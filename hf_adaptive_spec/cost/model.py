@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.host import float32
-from .calibration import Calibration, verified_nodes
+from .calibration import Calibration, PauseState, verified_nodes
 from .profile import CostProfile, between
 from .selection import choose_nodes, choose_prefix, choose_prefix_host, survival
 from .store import refine_profile
@@ -28,7 +28,7 @@ class CostModel:
 
     def __init__(self, profile: CostProfile, max_tokens: int, device, smoothing: float = 0.3,
                  live_scale: bool | None = None, calibration: Calibration | None = None, timed: bool = True,
-                 rows: int = 1, packed: bool = False):
+                 rows: int = 1, packed: bool = False, pauses: dict | None = None):
         self.profile = profile
         self.rows = rows  # rows of the batch the profile prices (one forward gives each of them a token)
         # the verification forward runs each row's real tokens only (`lean.LeanForward`): with a width curve,
@@ -54,16 +54,13 @@ class CostModel:
         self.live_scale = timed and (torch.device(device).type == "cpu" if live_scale is None else live_scale)
         # pausing the drafter (CPU only, where host times are real): running seconds and tokens of drafted
         # rounds and of rounds that verify the root alone, both measured in this call (ratios of running sums,
-        # not running ratios: a mean of per-round seconds per token overweights the rounds that accept nothing)
-        self._drafted = [0.0, 0.0]  # seconds, tokens
-        self._plain = [0.0, 0.0]
-        self._drafted_rounds = 0
-        self._paused_in_a_row = 0
-        # the rates of each batch size seen, kept while the batch has another size: a serving batch changes size
-        # every few rounds as requests join and leave, and rates that restarted at every change would never
-        # reach `MIN_DRAFTED_ROUNDS` (rates of different sizes are not comparable: a step's tokens grow with rows)
-        self._rates_by_rows: dict[int, tuple] = {}
-        self._trimmed_empty = 0  # drafted rounds in a row whose trimmed trees kept no draft node (`observe_trim`)
+        # not running ratios: a mean of per-round seconds per token overweights the rounds that accept nothing),
+        # per batch size: a serving batch changes size every few rounds as requests join and leave, and rates
+        # that restarted at every change would never reach `MIN_DRAFTED_ROUNDS` (rates of different sizes are
+        # not comparable: a step's tokens grow with rows). `pauses` (`SpecCalibration.pauses`) keeps them across
+        # calls.
+        self._pauses: dict[int, PauseState] = {} if pauses is None else pauses
+        self._pause = self._pauses.setdefault(rows, PauseState())
         self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
     def _set_widths(self, profile: CostProfile, max_tokens: int, device) -> None:
@@ -77,11 +74,7 @@ class CostModel:
         """Price on `profile` from now on, the profile of a batch of `rows` (the batch changed size): this call's
         forwards first correct the profile they ran against (`refine_profile`); the live scale restarts; the
         drafted / undrafted rates continue those of the last time the batch had `rows` rows (else restart)."""
-        if rows != self.rows:
-            self._rates_by_rows[self.rows] = (self._drafted, self._plain, self._drafted_rounds)
-            self._drafted, self._plain, self._drafted_rounds = self._rates_by_rows.pop(
-                rows, ([0.0, 0.0], [0.0, 0.0], 0))
-            self._paused_in_a_row = self._trimmed_empty = 0
+        self._pause = self._pauses.setdefault(rows, PauseState())
         self.rows = rows
         if profile is self.profile:
             return
@@ -93,62 +86,78 @@ class CostModel:
         self.calibration.profile, self.calibration.scale = profile, 1.0
         self.observed = {}
 
-    # a paused call drafts again every `PROBE_EVERY` rounds, to see whether drafting pays again
+    # a paused call drafts again after `PROBE_EVERY` rounds, to see whether drafting pays again; each probe that
+    # finds no gain doubles the interval, up to `MAX_PROBE_EVERY` (a probe costs more than a plain step when
+    # drafting does not pay: under saturation fixed probes every 8 rounds cost about 3% of throughput)
     PROBE_EVERY = 8
+    MAX_PROBE_EVERY = 32
     MIN_DRAFTED_ROUNDS = 8
     # drafted rounds in a row whose trees the rule trimmed to the root alone, after which drafting pauses
     EMPTY_ROUNDS = 2
     RATE_SMOOTHING = 0.1
-    MARGIN = 1.05
+    # a pause ends when drafted rounds produce tokens faster than root-only rounds by this factor; drafting goes
+    # on while they are not slower (the hysteresis keeps equal rates from flapping, and leans to plain steps)
+    RESUME_MARGIN = 1.03
 
     @property
     def drafted_rate(self) -> float | None:
         """Seconds per generated token of this call's drafted rounds (recent rounds weigh more)."""
-        seconds, tokens = self._drafted
+        seconds, tokens = self._pause.drafted
         return seconds / tokens if tokens else None
 
     def plain_rate(self, active_rows: int | None = None) -> float:
         """Seconds per token of this call's root-only rounds; before any, the profile's scaled T(1) shared by the
         `active_rows` that a root-only round gives a token each (default: every row of the batch)."""
-        seconds, tokens = self._plain
+        seconds, tokens = self._pause.plain
         rows = self.rows if active_rows is None else active_rows
         return seconds / tokens if tokens else self.scale * self._seconds[1] / max(rows, 1)
 
     def pause_drafting(self, active_rows: int | None = None) -> bool:
         """True when the next round should verify the root alone, without drafting: this call's drafted rounds
-        produce tokens more slowly (by `MARGIN`) than undrafted ones (a plain step through the same loop). On a
-        hard prompt the cost rule already trims every node, but the drafter's forward and the tree are still
-        paid each round; this stops paying them, drafting again every `PROBE_EVERY` rounds to re-measure.
-        `active_rows`: rows still decoding (what a root-only round yields), by default the batch's.
+        produce tokens more slowly than undrafted ones (a plain step through the same loop; a pause ends once
+        they are faster by `RESUME_MARGIN`). On a hard prompt or a saturated batch the cost rule already trims
+        most nodes, but the drafter's forward and the tree are still paid each round; this stops paying them,
+        drafting again after `PROBE_EVERY` rounds to re-measure (twice as long after each probe that finds no
+        gain, up to `MAX_PROBE_EVERY`). `active_rows`: rows still decoding (what a root-only round yields), by
+        default the batch's.
 
         Sooner: once `EMPTY_ROUNDS` drafted rounds in a row kept no draft node after trimming (`observe_trim`),
-        drafting buys nothing at this load; it pauses at once, probing every `PROBE_EVERY` rounds as well."""
-        if self.live_scale and self._trimmed_empty >= self.EMPTY_ROUNDS:
-            if self._paused_in_a_row >= self.PROBE_EVERY - 1:
-                self._paused_in_a_row = 0
-                return False
-            self._paused_in_a_row += 1
-            return True
+        drafting buys nothing at this load; it pauses at once, probing the same way."""
+        pause = self._pause
+        if self.live_scale and pause.trimmed_empty >= self.EMPTY_ROUNDS:
+            return self._paused_round()
         drafted = self.drafted_rate
-        if not self.live_scale or drafted is None or self._drafted_rounds < self.MIN_DRAFTED_ROUNDS:
+        unmeasured = not self.live_scale or drafted is None or pause.drafted_rounds < self.MIN_DRAFTED_ROUNDS
+        if unmeasured or drafted <= (self.plain_rate(active_rows) / self.RESUME_MARGIN if pause.pausing
+                                     else self.plain_rate(active_rows)):
+            pause.pausing, pause.paused_in_a_row, pause.probe_every = False, 0, self.PROBE_EVERY
             return False
-        if drafted <= self.MARGIN * self.plain_rate(active_rows) or self._paused_in_a_row >= self.PROBE_EVERY - 1:
-            self._paused_in_a_row = 0
+        return self._paused_round()
+
+    def _paused_round(self) -> bool:
+        """One round of a pause: True (verify the root alone), or False for a probe every `probe_every` rounds."""
+        pause = self._pause
+        if not pause.pausing:
+            pause.pausing, pause.paused_in_a_row, pause.probe_every = True, 0, self.PROBE_EVERY
+        elif pause.paused_in_a_row == 0:  # the probe just drafted and drafting still does not pay
+            pause.probe_every = min(2 * pause.probe_every, self.MAX_PROBE_EVERY)
+        if pause.paused_in_a_row >= pause.probe_every - 1:
+            pause.paused_in_a_row = 0
             return False
-        self._paused_in_a_row += 1
+        pause.paused_in_a_row += 1
         return True
 
     def observe_trim(self, kept_nodes: int) -> None:
         """A drafted round's draft nodes left after trimming, over the active rows (a host value): a round that
         keeps none paid the drafter for nothing."""
-        self._trimmed_empty = self._trimmed_empty + 1 if kept_nodes == 0 else 0
+        self._pause.trimmed_empty = self._pause.trimmed_empty + 1 if kept_nodes == 0 else 0
 
     def observe_rate(self, drafted: bool, round_seconds: float, tokens: int) -> None:
         """One round's seconds and tokens (host values), into the drafted or the undrafted running sums."""
         if not self.live_scale:
             return
-        sums = self._drafted if drafted else self._plain
-        self._drafted_rounds += drafted
+        sums = self._pause.drafted if drafted else self._pause.plain
+        self._pause.drafted_rounds += drafted
         keep = 1.0 - self.RATE_SMOOTHING
         sums[0] = keep * sums[0] + round_seconds
         sums[1] = keep * sums[1] + tokens

@@ -239,12 +239,13 @@ class Decoding:
                                            else SpecCalibration.from_env())
         fixed = owned is not None and owned.cost_profile is not None
         profile = self._cost_profile()
-        calibration = None
+        calibration = pauses = None
         if owned is not None:
             calibration = owned.get(self.assistant_model, f"{self.strategy.name}|{profile.key}", self.device)
+            pauses = owned.pauses(self.assistant_model, self.strategy.name)
         # a fixed curve is priced as given: nothing follows this machine's timings (`SpecCalibration`)
         self.cost = CostModel(profile, max_tokens=256, device=self.device, calibration=calibration,
-                              timed=not fixed, rows=self.batch_size, packed=self.target.lean)
+                              timed=not fixed, rows=self.batch_size, packed=self.target.lean, pauses=pauses)
         if self.drafter.prices_levels and self.cost.live_scale:  # drafting is priced too (host times are real)
             self.pricing = DraftPricing(self.cost)
         self.stats.time_profile += self.clock.lap()
