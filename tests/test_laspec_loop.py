@@ -109,9 +109,45 @@ def test_fused_state_follows_each_rows_accepted_path():
     path_index = torch.tensor([[0, 2, 3, 5], [0, 1, 4, 0]])
     accept_length = torch.tensor([1, 2])
     state.commit(None, tree_states, path_index, accept_length, torch.tensor([11, 12]))
+    assert state.root_position.tolist() == [7, 6] and state.root.tolist() == [11, 12]
+    assert state.context_valid.shape[1] == 5  # encoded when the context is next read
+    state._flush()
     encoded = drafter.encode_context(gather_target_hidden(tree_states, drafter.config.target_layer_ids))
     torch.testing.assert_close(state.previous_state, torch.stack([encoded[0, 2], encoded[1, 4]]))
-    assert state.root_position.tolist() == [7, 6]
+    assert state.context_valid.tolist() == [[True] * 5 + [True, True, False],
+                                            [False, False, True, True, True, True, True, True]]
+    assert state.context_positions[:, 5:].tolist() == [[5, 6, 7], [3, 4, 5]]
+
+
+def test_rounds_encoded_together_equal_rounds_encoded_one_by_one():
+    """The states of rounds that drafted nothing are encoded into the context together, when it is next read: the
+    context (keys, values, masks, positions) and the fused previous state equal encoding each round at once."""
+    target = build_model("llama")
+    drafter = _drafter(target, fuse_previous_state=True).attach_target(target)
+    width, hidden = len(target.model.layers) + 1, target.config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    prompt_states = tuple(torch.randn(2, 5, hidden, generator=gen) for _ in range(width))
+    slot_valid = torch.tensor([[True] * 5, [False, True, True, True, True]])
+    encoded = drafter.encode_context(gather_target_hidden(prompt_states, drafter.config.target_layer_ids))
+    eager, lazy = block_module.BlockDrafter(drafter, target), block_module.BlockDrafter(drafter, target)
+    for state in (eager, lazy):
+        state.prefill(encoded, slot_valid, torch.tensor([9, 10]))
+    rounds = [(torch.tensor([[0], [0]]), torch.tensor([0, 0])),  # paused rounds: the root alone
+              (torch.tensor([[0], [0]]), torch.tensor([0, 0])),
+              (torch.tensor([[0, 2, 3], [0, 1, 0]]), torch.tensor([2, 1]))]
+    for path_index, accept_length in rounds:
+        tree_states = tuple(torch.randn(2, 4, hidden, generator=gen) for _ in range(width))
+        for state in (eager, lazy):
+            state.commit(None, tree_states, path_index, accept_length, torch.tensor([3, 4]))
+        eager._flush()
+    assert len(lazy._pending) == 3
+    lazy.trim()  # any reader of the context encodes what is pending first
+    assert not lazy._pending
+    for a, b in zip(eager.context.keys + eager.context.values, lazy.context.keys + lazy.context.values):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for name in ("context_valid", "context_positions", "root_position", "root"):
+        assert torch.equal(getattr(eager, name), getattr(lazy, name)), name
+    torch.testing.assert_close(eager.previous_state, lazy.previous_state, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_vl"])

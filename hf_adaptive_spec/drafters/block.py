@@ -130,6 +130,10 @@ class BlockDrafter(Drafter):
         self.host_trees = host_trees
         self._fused = None  # (B, S, hidden) the prefill's fused layers, summed as they come
         self._prompt_embeds = None
+        # committed rounds' fused target states not yet encoded into the context: (fused (B, K, F), valid (B, K),
+        # positions (B, K)) per round. The context is read only when a round drafts, so the rounds in which
+        # drafting paused are encoded together, in one call, before the next drafted one (`_flush`)
+        self._pending: list = []
 
     # ---- the loop's steps (`Drafter`)
 
@@ -172,6 +176,7 @@ class BlockDrafter(Drafter):
         self.select_visual(verified.path_index.gather(1, verified.accept_length[:, None]).squeeze(1))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
+        self._flush()
         self.context = self.context.keep_rows(rows)
         for name in ("context_valid", "context_positions", "previous_state", "root", "root_position",
                      "prompt_embeds", "image_mask", "visual_embeds", "visual_valid"):
@@ -189,6 +194,8 @@ class BlockDrafter(Drafter):
         own slots), visual stores and prompt embeddings padded after a row's own."""
         if not isinstance(other, BlockDrafter) or other.model is not self.model:
             raise ValueError("a block drafter joins rows of the same drafter model.")
+        self._flush()
+        other._flush()
         if other.uses_vision and not self.uses_vision:
             if self.capture is None:  # the queries of every row are captured from now on (the other's capture)
                 self.capture, self.image_mask = other.capture, None
@@ -230,6 +237,7 @@ class BlockDrafter(Drafter):
 
     def trim(self) -> None:
         """Drop context columns no row holds (after the oldest rows left a serving batch)."""
+        self._flush()
         if self.context_valid.shape[0] == 0:
             return
         lead = int((~self.context_valid).long().cumprod(-1).sum(-1).min())
@@ -304,22 +312,43 @@ class BlockDrafter(Drafter):
         self.root = first_token
         self.root_position = slot_valid.sum(-1)
 
+    # pending rounds' columns encoded at once at the latest (bounds what `_pending` holds)
+    MAX_PENDING = 64
+
     @torch.no_grad()
     def commit(self, tree: DraftTree, hidden_states, path_index, accept_length, bonus) -> None:
-        """Append the target's states at the root and accepted nodes; the bonus becomes the next root."""
+        """Append the target's states at the root and accepted nodes; the bonus becomes the next root. The states
+        are encoded when the context is next read (`_flush`): a round that drafts nothing (drafting paused) costs
+        no drafter work; with the visual branch live (its tokens are picked every round) they are encoded now."""
         keep = int(accept_length.max()) + 1
         index = path_index[:, :keep]
         fused = gather_target_hidden(hidden_states, self.layer_ids)  # (B, N, F): all tree nodes
-        new = self.model.encode_context(fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1])))
+        fused = fused.gather(1, index[..., None].expand(-1, -1, fused.shape[-1]))
         offsets = torch.arange(keep, device=index.device)[None, :]
-        valid = offsets <= accept_length[:, None]
-        positions = self.root_position[:, None] + offsets
-        self.context = self.context.extend(self.model.context_kv(new, positions))  # keys/values, projected once
-        self.previous_state = new.gather(1, accept_length[:, None, None].expand(-1, 1, new.shape[-1]))[:, 0]
-        self.context_valid = torch.cat([self.context_valid, valid], dim=1)
-        self.context_positions = torch.cat([self.context_positions, positions], dim=1)
+        self._pending.append((fused, offsets <= accept_length[:, None], self.root_position[:, None] + offsets))
         self.root_position = self.root_position + accept_length + 1
         self.root = bonus
+        if self.uses_vision or sum(part[0].shape[1] for part in self._pending) >= self.MAX_PENDING:
+            self._flush()
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        """Encode the pending rounds' states into the context (keys and values projected once)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        fused = torch.cat([part[0] for part in pending], dim=1)
+        valid = torch.cat([part[1] for part in pending], dim=1)
+        positions = torch.cat([part[2] for part in pending], dim=1)
+        start = clock.now()
+        new = self.model.encode_context(fused)
+        self.context = self.context.extend(self.model.context_kv(new, positions))
+        self.model_time += clock.now() - start
+        # every round keeps its root valid: each row's last valid column is its newest committed state
+        last = (valid.long() * torch.arange(1, valid.shape[1] + 1, device=valid.device)).argmax(-1)
+        self.previous_state = new[torch.arange(new.shape[0], device=new.device), last]
+        self.context_valid = torch.cat([self.context_valid, valid], dim=1)
+        self.context_positions = torch.cat([self.context_positions, positions], dim=1)
 
     # ---- drafting
 
@@ -327,6 +356,7 @@ class BlockDrafter(Drafter):
     def block_scores(self, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(scores (B, depth, V'), vocab)`: the drafter's logits for the next `depth` tokens after the root, over
         its draft vocabulary `vocab` `(V',)` (token ids) when it has one, else over the whole vocabulary (None)."""
+        self._flush()
         model = self.model
         batch = self.root.shape[0]
         device = self.root.device
