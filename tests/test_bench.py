@@ -508,13 +508,17 @@ def test_image_prompts_on_a_tiny_vlm_with_a_visual_token_sweep(tmp_path):
     for row in sweep:
         summary = results["aggregates"]["overall"][row["method"]]
         assert row["tau"] == summary["tau"] and row["speedup_vs_plain"] == summary["speedup_vs_plain"]
+        assert row["speedup_vs_plain_mode"] == summary["speedup_vs_plain_mode"] is not None
         assert row["grounded_acceptance"] == summary["grounded_acceptance"]["grounded"]["acceptance"]
         assert 0 <= row["visual_share"] < 1 and row["visual_s_per_round"] >= 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["visual_sweep"] == sweep and saved["settings"]["visual_tokens"] == [4, 0, 1, 64, 4]
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert "### scenes: grounded tokens" in markdown and "## Visual-token sweep (laspec)" in markdown
-    assert "| 64 | laspec_m64 |" in markdown
+    assert "| 64 | laspec_m64 |" in markdown and "| vs plain | vs plain mode |" in markdown
+    without = [{k: v for k, v in row.items() if k != "speedup_vs_plain_mode"} for row in sweep]  # older results
+    overall = results["aggregates"]["overall"]
+    assert bench_vision.sweep_table(without, overall) == bench_vision.sweep_table(sweep)
     pytest.importorskip("matplotlib")
     assert (tmp_path / "out" / "visual_tokens_acceptance.png").stat().st_size > 1000
 

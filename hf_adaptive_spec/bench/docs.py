@@ -51,7 +51,7 @@ def render_table(results: dict, kind: str, dataset: str | None = None) -> list:
     if kind == "sweep":
         if not results.get("visual_sweep"):
             raise ValueError("the results hold no visual-token sweep (bench --visual-tokens).")
-        return bench_vision.sweep_table(results["visual_sweep"])
+        return bench_vision.sweep_table(results["visual_sweep"], aggregates.get("overall"))
     raise ValueError(f"unknown table {kind!r}{' ' + dataset if dataset else ''}: valid are methods [DATASET], "
                      "categories DATASET, grounded DATASET, sweep, load throughput|tau|sizes, arrivals.")
 

@@ -227,6 +227,7 @@ def sweep_rows(methods: dict, overall: dict, records: list) -> list:
             "method": name, "visual_tokens": info["visual_tokens"], "selection": info.get("visual_selection"),
             "tau": summary["tau"],
             "speedup_vs_plain": summary["speedup_vs_plain"],
+            "speedup_vs_plain_mode": summary.get("speedup_vs_plain_mode"),
             "grounded_acceptance": (pooled.get("grounded") or {}).get("acceptance"),
             "other_acceptance": (pooled.get("other") or {}).get("acceptance"),
             "acceptance_rate": summary.get("acceptance_rate"),
@@ -237,16 +238,21 @@ def sweep_rows(methods: dict, overall: dict, records: list) -> list:
     return sorted(rows, key=lambda row: (row["selection"] or "", row["visual_tokens"]))
 
 
-def sweep_table(rows: list) -> list:
-    """Markdown rows of the sweep: one line per M."""
-    lines = ["| M | method | chosen | tau | vs plain | grounded accept | other accept | selection per round | "
-             "selection share | failures |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+def sweep_table(rows: list, overall: dict | None = None) -> list:
+    """Markdown rows of the sweep: one line per M. `overall` (method -> pooled summary) fills the speedup over the
+    plain mode of rows recorded without it."""
+    lines = ["| M | method | chosen | tau | vs plain | vs plain mode | grounded accept | other accept | "
+             "selection per round | selection share | failures |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         per_round = row["visual_s_per_round"]
+        over_mode = row.get("speedup_vs_plain_mode")
+        if over_mode is None and overall is not None:
+            over_mode = (overall.get(row["method"]) or {}).get("speedup_vs_plain_mode")
         lines.append("| " + " | ".join([
             str(row["visual_tokens"]), row["method"], row.get("selection") or "per round (laspec)", _fmt(row["tau"]),
             "–" if row["speedup_vs_plain"] is None else f"{row['speedup_vs_plain']:.2f}x",
+            "–" if over_mode is None else f"{over_mode:.2f}x",
             _fmt(row["grounded_acceptance"]), _fmt(row["other_acceptance"]),
             "–" if per_round is None else f"{1e3 * per_round:.3f} ms",
             "–" if row["visual_share"] is None else f"{100 * row['visual_share']:.1f}%",
