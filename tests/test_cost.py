@@ -310,7 +310,9 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
         model.observe_rate(True, round_seconds=0.06, tokens=1)  # drafted rounds: 60 ms per token
     assert model.drafted_rate == pytest.approx(0.06)
     assert model.plain_rate() == pytest.approx(0.04)  # none measured: the profile's T(1)
-    model.observe_rate(False, round_seconds=0.045, tokens=1)  # a root-only round: 45 ms per token
+    assert model.pause_drafting()  # no root-only round measured yet: one is run to measure it
+    for _ in range(CostModel.MIN_PLAIN_ROUNDS):
+        model.observe_rate(False, round_seconds=0.045, tokens=1)  # a root-only round: 45 ms per token
     assert model.plain_rate() == pytest.approx(0.045)
     intervals = [CostModel.PROBE_EVERY * 2 ** k for k in range(3)] + [CostModel.MAX_PROBE_EVERY] * 2
     assert intervals[:3] == [8, 16, 32] and CostModel.MAX_PROBE_EVERY == 32
@@ -336,7 +338,8 @@ def test_a_pause_ends_only_when_drafting_is_clearly_faster():
     faster by `RESUME_MARGIN` (equal rates do not flap, and lean to plain steps); the pause of one batch size
     survives the batch's other sizes."""
     model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", rows=1)
-    model.observe_rate(False, round_seconds=0.05, tokens=1)  # root-only rounds: 50 ms per token
+    for _ in range(CostModel.MIN_PLAIN_ROUNDS):
+        model.observe_rate(False, round_seconds=0.05, tokens=1)  # root-only rounds: 50 ms per token
     for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
         model.observe_rate(True, round_seconds=0.05, tokens=1)  # drafted rounds: as fast
     assert not model.pause_drafting()  # not slower: drafting goes on
@@ -347,12 +350,31 @@ def test_a_pause_ends_only_when_drafting_is_clearly_faster():
         model.observe_rate(True, round_seconds=0.0495, tokens=1)  # 1% faster: within the margin, still paused
     assert model.pause_drafting()
     model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.08, 0.09]), rows=2)  # a request joins
-    assert not model.pause_drafting()  # two rows: nothing measured yet
+    # two rows, not seen yet: the verdict of the nearest judged size (one row) holds until measured, probing
+    decisions = [model.pause_drafting() for _ in range(2 * CostModel.PROBE_EVERY)]
+    assert decisions == ([True] * (CostModel.PROBE_EVERY - 1) + [False]) * 2  # no doubling before it is judged
     model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), rows=1)  # and leaves
     assert model.pause_drafting()  # the pause of one row goes on
     for _ in range(40):
         model.observe_rate(True, round_seconds=0.045, tokens=1)  # 10% faster: drafting again
     assert not model.pause_drafting()
+
+
+@pytest.mark.measured_cost
+def test_a_root_only_round_is_measured_before_drafting_is_judged():
+    """Before any root-only round at a batch size the plain rate is the profile's guess; a profile slower than the
+    machine would make drafted rounds look faster for ever. After `MIN_DRAFTED_ROUNDS` drafted rounds the rule runs
+    `MIN_PLAIN_ROUNDS` root-only rounds to measure it, then judges."""
+    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.8, 0.9]), max_tokens=8, device="cpu", rows=8)
+    assert model.plain_rate() == pytest.approx(0.1)  # the profile: 100 ms per token at 8 rows
+    for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
+        model.observe_rate(True, round_seconds=0.48, tokens=8)  # drafted: 60 ms per token, "faster" than the guess
+    decisions = []
+    for _ in range(CostModel.MIN_PLAIN_ROUNDS):
+        decisions.append(model.pause_drafting())
+        model.observe_rate(False, round_seconds=0.4, tokens=8)  # measured: 50 ms per token
+    assert decisions == [True] * CostModel.MIN_PLAIN_ROUNDS
+    assert model.plain_rate() == pytest.approx(0.05) and model.pause_drafting()  # drafting is slower: paused
 
 
 @pytest.mark.measured_cost
@@ -385,6 +407,8 @@ def test_a_batch_prices_a_token_at_its_share_of_a_step():
     assert model.plain_rate(active_rows=4) == pytest.approx(0.08)  # half the rows still decode
     for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
         model.observe_rate(True, round_seconds=0.48, tokens=8)  # 60 ms per token: slower than a plain step's
+    for _ in range(CostModel.MIN_PLAIN_ROUNDS):
+        model.observe_rate(False, round_seconds=0.32, tokens=8)  # root-only rounds at the profile's T(1)
     assert model.pause_drafting(active_rows=8)
     model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.12, 0.2]), rows=2)  # six rows left the batch
     assert model.rows == 2 and model.plain_rate() == pytest.approx(0.06)
@@ -402,6 +426,8 @@ def test_the_rates_of_a_batch_size_survive_its_changes():
         rows = 4 if round_index % 2 == 0 else 5  # a request joins, another leaves, ...
         model.use_profile(profiles[rows], rows)
         model.observe_rate(True, round_seconds=0.8 if rows == 4 else 0.05, tokens=rows)
+        if round_index < 2 * CostModel.MIN_PLAIN_ROUNDS:  # root-only rounds: as the profiles say, 0.1 s a token
+            model.observe_rate(False, round_seconds=0.1 * rows, tokens=rows)
     model.use_profile(profiles[4], 4)
     assert model.drafted_rate == pytest.approx(0.2)  # 4 rows: 0.8 s per 4 tokens, never mixed with 5 rows' rate
     assert model.pause_drafting(active_rows=4)  # slower than a root-only step at 4 rows (T(1) = 0.4 s / 4 tokens)

@@ -98,8 +98,10 @@ class PauseState:
     drafted: list = field(default_factory=lambda: [0.0, 0.0])  # seconds, tokens (running sums)
     plain: list = field(default_factory=lambda: [0.0, 0.0])
     drafted_rounds: int = 0
+    plain_rounds: int = 0
     paused_in_a_row: int = 0
     pausing: bool = False  # in a pause (rounds verify the root alone, but for probes)
+    inherited: bool = False  # the pause is the nearest batch size's verdict, not yet this size's own
     probe_every: int = 0  # rounds between probes while pausing (0: the rule's first interval)
     trimmed_empty: int = 0  # drafted rounds in a row whose trimmed trees kept no draft node
 

@@ -60,7 +60,7 @@ class CostModel:
         # not comparable: a step's tokens grow with rows). `pauses` (`SpecCalibration.pauses`) keeps them across
         # calls.
         self._pauses: dict[int, PauseState] = {} if pauses is None else pauses
-        self._pause = self._pauses.setdefault(rows, PauseState())
+        self._pause = self._pause_at(rows)
         self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
     def _set_widths(self, profile: CostProfile, max_tokens: int, device) -> None:
@@ -74,7 +74,7 @@ class CostModel:
         """Price on `profile` from now on, the profile of a batch of `rows` (the batch changed size): this call's
         forwards first correct the profile they ran against (`refine_profile`); the live scale restarts; the
         drafted / undrafted rates continue those of the last time the batch had `rows` rows (else restart)."""
-        self._pause = self._pauses.setdefault(rows, PauseState())
+        self._pause = self._pause_at(rows)
         self.rows = rows
         if profile is self.profile:
             return
@@ -92,12 +92,29 @@ class CostModel:
     PROBE_EVERY = 8
     MAX_PROBE_EVERY = 32
     MIN_DRAFTED_ROUNDS = 8
+    # root-only rounds measured at a batch size before drafted rounds are judged against them: without them the
+    # plain rate is the profile's, and a profile slower than the machine would keep drafting (never measuring)
+    MIN_PLAIN_ROUNDS = 2
     # drafted rounds in a row whose trees the rule trimmed to the root alone, after which drafting pauses
     EMPTY_ROUNDS = 2
     RATE_SMOOTHING = 0.1
     # a pause ends when drafted rounds produce tokens faster than root-only rounds by this factor; drafting goes
     # on while they are not slower (the hysteresis keeps equal rates from flapping, and leans to plain steps)
     RESUME_MARGIN = 1.03
+
+    def _pause_at(self, rows: int) -> PauseState:
+        """The pause state of batch size `rows`; a size not seen yet starts with the verdict of the nearest size
+        that has one (drafting pays or not: neighbouring sizes share it far more often than not, and a batch
+        that shrinks or grows one row at a time would otherwise relearn it at each size), its own rates empty."""
+        state = self._pauses.get(rows)
+        if state is None:
+            judged = [size for size, other in self._pauses.items()
+                      if other.drafted_rounds >= self.MIN_DRAFTED_ROUNDS and other.plain_rounds >= self.MIN_PLAIN_ROUNDS]
+            nearest = min(judged, key=lambda size: (abs(size - rows), size), default=None)
+            inherited = nearest is not None and self._pauses[nearest].pausing
+            state = self._pauses[rows] = PauseState(pausing=inherited, inherited=inherited,
+                                                    probe_every=self.PROBE_EVERY)
+        return state
 
     @property
     def drafted_rate(self) -> float | None:
@@ -114,8 +131,8 @@ class CostModel:
 
     def pause_drafting(self, active_rows: int | None = None) -> bool:
         """True when the next round should verify the root alone, without drafting: this call's drafted rounds
-        produce tokens more slowly than undrafted ones (a plain step through the same loop; a pause ends once
-        they are faster by `RESUME_MARGIN`). On a hard prompt or a saturated batch the cost rule already trims
+        produce tokens more slowly than undrafted ones (a plain step through the same loop, `MIN_PLAIN_ROUNDS` of
+        which are run to measure it; a pause ends once drafted rounds are faster by `RESUME_MARGIN`). On a hard prompt or a saturated batch the cost rule already trims
         most nodes, but the drafter's forward and the tree are still paid each round; this stops paying them,
         drafting again after `PROBE_EVERY` rounds to re-measure (twice as long after each probe that finds no
         gain, up to `MAX_PROBE_EVERY`). `active_rows`: rows still decoding (what a root-only round yields), by
@@ -128,6 +145,11 @@ class CostModel:
             return self._paused_round()
         drafted = self.drafted_rate
         unmeasured = not self.live_scale or drafted is None or pause.drafted_rounds < self.MIN_DRAFTED_ROUNDS
+        if unmeasured and self.live_scale and pause.inherited:  # an inherited pause goes on until measured
+            return self._paused_round()
+        pause.inherited = False
+        if not unmeasured and pause.plain_rounds < self.MIN_PLAIN_ROUNDS:
+            return True  # measure a root-only round at this batch size
         if unmeasured or drafted <= (self.plain_rate(active_rows) / self.RESUME_MARGIN if pause.pausing
                                      else self.plain_rate(active_rows)):
             pause.pausing, pause.paused_in_a_row, pause.probe_every = False, 0, self.PROBE_EVERY
@@ -139,7 +161,9 @@ class CostModel:
         pause = self._pause
         if not pause.pausing:
             pause.pausing, pause.paused_in_a_row, pause.probe_every = True, 0, self.PROBE_EVERY
-        elif pause.paused_in_a_row == 0:  # the probe just drafted and drafting still does not pay
+        elif pause.paused_in_a_row == 0 and pause.drafted_rounds >= self.MIN_DRAFTED_ROUNDS:
+            # the probe just drafted and drafting still does not pay (an inherited pause probes at the first
+            # interval until its own drafted rounds are enough to judge)
             pause.probe_every = min(2 * pause.probe_every, self.MAX_PROBE_EVERY)
         if pause.paused_in_a_row >= pause.probe_every - 1:
             pause.paused_in_a_row = 0
@@ -158,6 +182,7 @@ class CostModel:
             return
         sums = self._pause.drafted if drafted else self._pause.plain
         self._pause.drafted_rounds += drafted
+        self._pause.plain_rounds += not drafted
         keep = 1.0 - self.RATE_SMOOTHING
         sums[0] = keep * sums[0] + round_seconds
         sums[1] = keep * sums[1] + tokens
