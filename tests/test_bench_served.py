@@ -61,3 +61,12 @@ def test_a_differing_answer_is_a_failure(monkeypatch):
                                       seed=0, prompts=PROMPTS, warmup=0, time_limit=120, progress=None)
     assert [f["method"] for f in results["failures"]] == ["chain2"]
     assert "differ" in results["failures"][0]["error"]
+
+
+def test_an_independent_drafter_is_served_int8_as_serve_serves_it():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_served.add_arguments(parser)
+    assert parser.parse_args([]).drafter_int8 is True
+    assert parser.parse_args(["--no-drafter-int8"]).drafter_int8 is False

@@ -334,20 +334,27 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
 
 @pytest.mark.measured_cost
 def test_a_pause_ends_only_when_drafting_is_clearly_faster():
-    """Drafting goes on while drafted rounds are not slower than root-only ones; a pause ends only once they are
-    faster by `RESUME_MARGIN` (equal rates do not flap, and lean to plain steps); the pause of one batch size
-    survives the batch's other sizes."""
+    """Drafting goes on while drafted rounds are faster than root-only ones by `KEEP_MARGIN`; a pause ends only
+    once they are faster by `RESUME_MARGIN` (equal rates do not flap, and lean to plain steps); while drafting, a
+    root-only round every `REFRESH_PLAIN_EVERY` drafted rounds keeps the plain rate current; the pause of one
+    batch size survives the batch's other sizes."""
+    assert 1.0 < CostModel.KEEP_MARGIN < CostModel.RESUME_MARGIN
     model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", rows=1)
     for _ in range(CostModel.MIN_PLAIN_ROUNDS):
         model.observe_rate(False, round_seconds=0.05, tokens=1)  # root-only rounds: 50 ms per token
     for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
-        model.observe_rate(True, round_seconds=0.05, tokens=1)  # drafted rounds: as fast
-    assert not model.pause_drafting()  # not slower: drafting goes on
+        model.observe_rate(True, round_seconds=0.047, tokens=1)  # drafted rounds: 6% faster
+    assert not model.pause_drafting()  # faster beyond KEEP_MARGIN: drafting goes on
+    for _ in range(CostModel.REFRESH_PLAIN_EVERY - CostModel.MIN_DRAFTED_ROUNDS):
+        model.observe_rate(True, round_seconds=0.047, tokens=1)
+    assert model.pause_drafting()  # one root-only round refreshes the plain rate, without a pause
+    model.observe_rate(False, round_seconds=0.05, tokens=1)
+    assert not model.pause_drafting()
     for _ in range(40):
-        model.observe_rate(True, round_seconds=0.052, tokens=1)
-    assert model.pause_drafting()  # 4% slower: paused
+        model.observe_rate(True, round_seconds=0.0495, tokens=1)  # 1% faster: not enough to go on
+    assert model.pause_drafting()
     for _ in range(40):
-        model.observe_rate(True, round_seconds=0.0495, tokens=1)  # 1% faster: within the margin, still paused
+        model.observe_rate(True, round_seconds=0.0485, tokens=1)  # 3% faster: within the resume margin
     assert model.pause_drafting()
     model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.08, 0.09]), rows=2)  # a request joins
     # two rows, not seen yet: the verdict of the nearest judged size (one row) holds until measured, probing
@@ -355,6 +362,7 @@ def test_a_pause_ends_only_when_drafting_is_clearly_faster():
     assert decisions == ([True] * (CostModel.PROBE_EVERY - 1) + [False]) * 2  # no doubling before it is judged
     model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), rows=1)  # and leaves
     assert model.pause_drafting()  # the pause of one row goes on
+    model.observe_rate(False, round_seconds=0.05, tokens=1)  # a paused round
     for _ in range(40):
         model.observe_rate(True, round_seconds=0.045, tokens=1)  # 10% faster: drafting again
     assert not model.pause_drafting()

@@ -26,6 +26,7 @@ Outputs in `--out`: ``served.json``, ``served.md`` and the plots ``served_throug
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import socket
@@ -233,6 +234,8 @@ def write_plots(results: dict, out_dir: Path) -> list:
 def add_arguments(parser) -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--drafter", default="laspec-smollm2-135m-instruct")
+    parser.add_argument("--drafter-int8", action=argparse.BooleanOptionalAction, default=True,
+                        help="int8-quantize an independent drafter, as `serve` does (CPU; the target is never changed)")
     parser.add_argument("--strategies", nargs="+", default=None,
                         help="adaptive rules (default: laspec with a LaSpec drafter, else sage)")
     parser.add_argument("--fixed", nargs="*", default=["chain2", "chain4", "tree8"],
@@ -274,7 +277,7 @@ def run(args) -> int:
     adaptive = args.strategies or (["laspec"] if laspec else ["sage"])
     target, processor = load_model(args.target)
     tokenizer = getattr(processor, "tokenizer", processor)
-    drafter = load_drafter(args.drafter, target, False)
+    drafter = load_drafter(args.drafter, target, args.drafter_int8)
     block_size = getattr(getattr(drafter, "config", None), "block_size", None) if laspec else None
     methods = served_methods(laspec, adaptive, chains, trees, block_size)
     prompts = tuple(load_prompts(args.prompts)) if args.prompts else DEFAULT_PROMPTS
@@ -291,7 +294,8 @@ def run(args) -> int:
                          args.max_new_tokens, args.max_batch, args.max_queue, args.seed, prompts, args.warmup,
                          args.time_limit)
     results["settings"] = {
-        "target": args.target, "drafter": args.drafter, "methods": [m.name for m in methods],
+        "target": args.target, "drafter": args.drafter, "drafter_int8": bool(args.drafter_int8 and not laspec),
+        "methods": [m.name for m in methods],
         "rates": list(args.rates), "arrivals": list(args.arrivals), "requests": args.requests,
         "max_new_tokens": args.max_new_tokens, "max_batch": args.max_batch, "seed": args.seed,
         "threads": torch.get_num_threads(), "machine": f"{env['cpu_model'] or platform.machine()}, "

@@ -99,6 +99,7 @@ class PauseState:
     plain: list = field(default_factory=lambda: [0.0, 0.0])
     drafted_rounds: int = 0
     plain_rounds: int = 0
+    drafted_since_plain: int = 0  # drafted rounds since the last root-only one (its rate grows stale)
     paused_in_a_row: int = 0
     pausing: bool = False  # in a pause (rounds verify the root alone, but for probes)
     inherited: bool = False  # the pause is the nearest batch size's verdict, not yet this size's own

@@ -98,9 +98,15 @@ class CostModel:
     # drafted rounds in a row whose trees the rule trimmed to the root alone, after which drafting pauses
     EMPTY_ROUNDS = 2
     RATE_SMOOTHING = 0.1
-    # a pause ends when drafted rounds produce tokens faster than root-only rounds by this factor; drafting goes
-    # on while they are not slower (the hysteresis keeps equal rates from flapping, and leans to plain steps)
-    RESUME_MARGIN = 1.03
+    # drafting goes on while drafted rounds produce tokens faster than root-only rounds by `KEEP_MARGIN`, and a
+    # pause ends once they are faster by `RESUME_MARGIN`: near equal rates a round's noise (+-10% on 2 cores)
+    # would flip the verdict, and a drafted round costs the load more than its own seconds show, so equal
+    # rates lean to plain steps (measured on a saturated server: drafting streaks on rates 2-5% better than a
+    # plain rate measured earlier lost 9% of throughput)
+    KEEP_MARGIN = 1.02
+    RESUME_MARGIN = 1.05
+    # while drafting, one root-only round every this many drafted rounds keeps the plain rate current
+    REFRESH_PLAIN_EVERY = 64
 
     def _pause_at(self, rows: int) -> PauseState:
         """The pause state of batch size `rows`; a size not seen yet starts with the verdict of the nearest size
@@ -132,7 +138,9 @@ class CostModel:
     def pause_drafting(self, active_rows: int | None = None) -> bool:
         """True when the next round should verify the root alone, without drafting: this call's drafted rounds
         produce tokens more slowly than undrafted ones (a plain step through the same loop, `MIN_PLAIN_ROUNDS` of
-        which are run to measure it; a pause ends once drafted rounds are faster by `RESUME_MARGIN`). On a hard prompt or a saturated batch the cost rule already trims
+        which are run to measure it, and one every `REFRESH_PLAIN_EVERY` drafted rounds to keep it current;
+        drafting goes on while drafted rounds are faster by `KEEP_MARGIN`, and a pause ends once they are faster
+        by `RESUME_MARGIN`). On a hard prompt or a saturated batch the cost rule already trims
         most nodes, but the drafter's forward and the tree are still paid each round; this stops paying them,
         drafting again after `PROBE_EVERY` rounds to re-measure (twice as long after each probe that finds no
         gain, up to `MAX_PROBE_EVERY`). `active_rows`: rows still decoding (what a root-only round yields), by
@@ -150,10 +158,10 @@ class CostModel:
         pause.inherited = False
         if not unmeasured and pause.plain_rounds < self.MIN_PLAIN_ROUNDS:
             return True  # measure a root-only round at this batch size
-        if unmeasured or drafted <= (self.plain_rate(active_rows) / self.RESUME_MARGIN if pause.pausing
-                                     else self.plain_rate(active_rows)):
+        margin = self.RESUME_MARGIN if pause.pausing else self.KEEP_MARGIN
+        if unmeasured or drafted * margin <= self.plain_rate(active_rows):
             pause.pausing, pause.paused_in_a_row, pause.probe_every = False, 0, self.PROBE_EVERY
-            return False
+            return not unmeasured and pause.drafted_since_plain >= self.REFRESH_PLAIN_EVERY  # refresh plain
         return self._paused_round()
 
     def _paused_round(self) -> bool:
@@ -183,6 +191,7 @@ class CostModel:
         sums = self._pause.drafted if drafted else self._pause.plain
         self._pause.drafted_rounds += drafted
         self._pause.plain_rounds += not drafted
+        self._pause.drafted_since_plain = self._pause.drafted_since_plain + 1 if drafted else 0
         keep = 1.0 - self.RATE_SMOOTHING
         sums[0] = keep * sums[0] + round_seconds
         sums[1] = keep * sums[1] + tokens
