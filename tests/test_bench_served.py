@@ -18,6 +18,9 @@ def test_served_methods_replace_stock_plain_with_speculation_off():
     methods = bench_served.served_methods(False, ["sage"], chain_lengths=(2,), tree_sizes=(4,))
     assert [m.name for m in methods] == ["off", "chain2", "tree4", "sage"]
     assert methods[0].strategy == "plain" and methods[0].family == "plain"
+    # one long-lived server per method: each keeps its batch sizes' verdicts across runs, as an engine does
+    assert all(m.calibration.keep_pauses for m in methods[1:])
+    assert len({id(m.calibration) for m in methods}) == len(methods)
 
 
 def test_every_method_serves_the_trace_and_answers_like_speculation_off():

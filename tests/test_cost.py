@@ -387,9 +387,13 @@ def test_a_root_only_round_is_measured_before_drafting_is_judged():
 
 @pytest.mark.measured_cost
 def test_a_calibration_keeps_each_batch_sizes_pause_across_calls():
-    """A serving engine's batches close when the load drains: the verdict of each batch size lives in the
-    `SpecCalibration` (per drafter and strategy), so the next batch of that size starts paused."""
-    calibration, drafter = cost.SpecCalibration(), torch.nn.Linear(1, 1)
+    """A serving engine's batches close when the load drains: with `keep_pauses` the verdict of each batch size
+    lives in the `SpecCalibration` (per drafter and strategy), so the next batch of that size starts paused."""
+    drafter = torch.nn.Linear(1, 1)
+    assert cost.SpecCalibration().pauses(drafter, "laspec") is None  # by default each call judges afresh
+    with pytest.raises(TypeError, match="keep_pauses"):
+        cost.SpecCalibration(keep_pauses=1)
+    calibration = cost.SpecCalibration(keep_pauses=True)
     profile = CostProfile(sizes=[1, 2], seconds=[0.32, 0.4])
     first = CostModel(profile, max_tokens=8, device="cpu", rows=8, pauses=calibration.pauses(drafter, "laspec"))
     for _ in range(CostModel.MIN_DRAFTED_ROUNDS):

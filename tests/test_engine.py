@@ -245,3 +245,33 @@ def test_bad_requests_a_full_queue_and_a_stopped_engine_are_refused():
         engine.stop()
     with pytest.raises(EngineStopped):
         engine.submit(Request(input_ids=[5, 6, 7]))
+
+
+def test_the_pause_verdicts_outlive_the_batches(monkeypatch):
+    """The engine keeps whether drafting pays at each batch size across its batches (`keep_pauses`): a verdict
+    learned in one batch (timings injected: drafted rounds slower than root-only ones) pauses the next batch of
+    that size from its first round, after the first batch closed."""
+    from hf_adaptive_spec.cost import model as cost_model
+
+    target = build_model("llama")
+    drafter = _drafter("llama", target, "laspec")
+    engine = Engine(target, drafter, strategy="laspec", max_batch=2).start()
+    assert engine.calibration.keep_pauses
+    observed = cost_model.CostModel.observe_rate
+    monkeypatch.setattr(cost_model.CostModel, "observe_rate",  # drafted: 2 s a token, root-only: 1 s
+                        lambda self, drafted, seconds, tokens: observed(self, drafted, 2.0 if drafted else 1.0, 1))
+    decisions = []
+    decide = cost_model.CostModel.pause_drafting
+    monkeypatch.setattr(cost_model.CostModel, "pause_drafting",
+                        lambda self, active_rows=None: decisions.append(decide(self, active_rows)) or decisions[-1])
+    row = _requests("llama", with_image=False)[1]
+    first = engine.submit(Request(input_ids=row["input_ids"][0], max_new_tokens=24))
+    first.result(120)
+    assert any(decisions)  # the first batch paused once its rates were measured
+    states = engine.calibration.pauses(drafter, "laspec")
+    assert states[1].pausing
+    decisions.clear()
+    second = engine.submit(Request(input_ids=row["input_ids"][0], max_new_tokens=6))
+    assert second.result(120) == first.tokens[:6]
+    engine.stop()
+    assert decisions[0]  # a new batch of the same size: paused from its first round

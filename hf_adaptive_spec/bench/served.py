@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import socket
 import sys
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..cost import SpecCalibration
 from .load_batches import LoadMethod, load_methods
 
 OFF = "off"
@@ -47,7 +49,10 @@ def served_methods(laspec: bool, adaptive: Sequence[str], chain_lengths: Sequenc
     them: the load sweep's ``plain`` (stock generate) becomes ``off`` (strategy `plain` in the engine)."""
     methods, _ = load_methods(laspec, adaptive, block_size=block_size, chain_lengths=chain_lengths,
                               tree_sizes=tree_sizes, plain_mode=False)  # `off` is the plain mode, served
-    return [LoadMethod(OFF, "plain", "plain") if m.family == "plain" else m for m in methods]
+    # one long-lived server per method: what the cost rule learns, the verdict of each batch size included, is
+    # kept across its runs (`SpecCalibration(keep_pauses=True)`, as the engine's own default)
+    return [LoadMethod(OFF, "plain", "plain") if m.family == "plain"
+            else dataclasses.replace(m, calibration=SpecCalibration(keep_pauses=True)) for m in methods]
 
 
 def _free_port() -> int:

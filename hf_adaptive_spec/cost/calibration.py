@@ -140,6 +140,11 @@ class SpecCalibration:
     `spec_calibration` such a fixed curve (`flat`: every size costs the same, so every node that can be
     accepted is kept; or the path of a JSON file `{"sizes": [...], "seconds": [...]}`).
 
+    With `keep_pauses=True` whether drafting pays at each batch size (`CostModel.pause_drafting`) is kept across
+    calls too: what a serving engine wants, whose batches open and close with the load while the load decides.
+    By default each call judges it afresh from its own rounds: one hard prompt must not pause the next one's
+    drafting.
+
     Examples:
         >>> calibration = hf_adaptive_spec.SpecCalibration()  # doctest: +SKIP
         >>> for inputs in requests:  # doctest: +SKIP
@@ -147,10 +152,13 @@ class SpecCalibration:
         ...                     spec_calibration=calibration)
     """
 
-    def __init__(self, cost_profile: CostProfile | None = None):
+    def __init__(self, cost_profile: CostProfile | None = None, keep_pauses: bool = False):
         if cost_profile is not None and not isinstance(cost_profile, CostProfile):
             raise TypeError(f"SpecCalibration(cost_profile=...) takes a CostProfile, got {type(cost_profile).__name__}.")
+        if not isinstance(keep_pauses, bool):
+            raise TypeError(f"SpecCalibration(keep_pauses=...) takes True or False, got {keep_pauses!r}.")
         self.cost_profile = cost_profile
+        self.keep_pauses = keep_pauses
         self._per_drafter = weakref.WeakKeyDictionary()  # drafter module -> {setting: Calibration}
         self._pauses = weakref.WeakKeyDictionary()  # drafter module -> {strategy: {batch size: PauseState}}
 
@@ -178,9 +186,11 @@ class SpecCalibration:
             per_drafter[setting] = Calibration.fresh(device)
         return per_drafter[setting]
 
-    def pauses(self, drafter, strategy: str) -> dict:
-        """`{batch size: PauseState}` of `drafter` under `strategy`: whether drafting pays at each batch size, kept
-        across calls (a serving engine's batches open and close with the load; a batch size keeps its verdict)."""
+    def pauses(self, drafter, strategy: str) -> dict | None:
+        """`{batch size: PauseState}` of `drafter` under `strategy` when `keep_pauses` (whether drafting pays at
+        each batch size, kept across calls), else None (each call judges afresh)."""
+        if not self.keep_pauses:
+            return None
         return self._pauses.setdefault(drafter, {}).setdefault(strategy, {})
 
     def settings(self) -> list:

@@ -197,7 +197,7 @@ class Engine:
             generation config).
         pad_token_id (`int`, *optional*): filler id (default: the model's, else the first EOS id).
         calibration ([`SpecCalibration`], *optional*): what the cost rule learns, kept across requests (default: a
-            fresh one).
+            fresh one with `keep_pauses=True`: whether drafting pays at each batch size outlives the batches).
         spec_runtime (*optional*): how rounds run (`RuntimeConfig` or a dict of its fields), as `generate` takes it.
     """
 
@@ -226,7 +226,7 @@ class Engine:
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = getattr(config, "vocab_size", None)
-        self.calibration = calibration if calibration is not None else SpecCalibration()
+        self.calibration = calibration if calibration is not None else SpecCalibration(keep_pauses=True)
         self._waiting: collections.deque = collections.deque()
         self._condition = threading.Condition()
         self._batches: dict[bool, _Batch | None] = {False: None, True: None}  # by do_sample
