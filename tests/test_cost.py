@@ -304,7 +304,9 @@ def test_spec_calibration_is_checked():
 
 @pytest.mark.measured_cost
 def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
-    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", smoothing=0.5)
+    """Verdicts that outlive the call (`pauses`, a serving engine's): probes back off, the plain rate is measured."""
+    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", smoothing=0.5,
+                      pauses={})
     assert not model.pause_drafting()  # nothing measured yet
     for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
         model.observe_rate(True, round_seconds=0.06, tokens=1)  # drafted rounds: 60 ms per token
@@ -339,7 +341,8 @@ def test_a_pause_ends_only_when_drafting_is_clearly_faster():
     root-only round every `REFRESH_PLAIN_EVERY` drafted rounds keeps the plain rate current; the pause of one
     batch size survives the batch's other sizes."""
     assert 1.0 < CostModel.KEEP_MARGIN < CostModel.RESUME_MARGIN
-    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", rows=1)
+    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", rows=1,
+                      pauses={})
     for _ in range(CostModel.MIN_PLAIN_ROUNDS):
         model.observe_rate(False, round_seconds=0.05, tokens=1)  # root-only rounds: 50 ms per token
     for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
@@ -373,7 +376,8 @@ def test_a_root_only_round_is_measured_before_drafting_is_judged():
     """Before any root-only round at a batch size the plain rate is the profile's guess; a profile slower than the
     machine would make drafted rounds look faster for ever. After `MIN_DRAFTED_ROUNDS` drafted rounds the rule runs
     `MIN_PLAIN_ROUNDS` root-only rounds to measure it, then judges."""
-    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.8, 0.9]), max_tokens=8, device="cpu", rows=8)
+    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.8, 0.9]), max_tokens=8, device="cpu", rows=8,
+                      pauses={})
     assert model.plain_rate() == pytest.approx(0.1)  # the profile: 100 ms per token at 8 rows
     for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
         model.observe_rate(True, round_seconds=0.48, tokens=8)  # drafted: 60 ms per token, "faster" than the guess
@@ -637,3 +641,19 @@ def test_rows_of_one_batch_verify_their_own_sizes_and_stay_exact(strategy, monke
                           spec_calibration=cost.SpecCalibration(curve))
     assert torch.equal(out, expected)
     assert counts_seen and any(len(set(counts.tolist())) > 1 for counts in counts_seen)
+
+
+@pytest.mark.measured_cost
+def test_a_calls_own_verdict_keeps_drafting_within_five_percent():
+    """Without lasting verdicts (one `generate` call) drafting goes on while drafted rounds are within 5% of the
+    plain rate (the curve's T(1) until a root-only round is measured: no measuring rounds), and probes every
+    `PROBE_EVERY` rounds without backing off."""
+    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.05, 0.06]), max_tokens=8, device="cpu")
+    assert not model.lasting
+    for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
+        model.observe_rate(True, round_seconds=0.052, tokens=1)  # 4% slower than the curve's plain step
+    assert not model.pause_drafting()
+    for _ in range(40):
+        model.observe_rate(True, round_seconds=0.06, tokens=1)  # 20% slower
+    decisions = [model.pause_drafting() for _ in range(3 * CostModel.PROBE_EVERY)]
+    assert decisions == ([True] * (CostModel.PROBE_EVERY - 1) + [False]) * 3

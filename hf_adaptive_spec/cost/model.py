@@ -60,6 +60,11 @@ class CostModel:
         # not comparable: a step's tokens grow with rows). `pauses` (`SpecCalibration.pauses`) keeps them across
         # calls.
         self._pauses: dict[int, PauseState] = {} if pauses is None else pauses
+        # verdicts that outlive the call (a serving engine) are judged with the stricter, plain-leaning settings
+        # (`SERVING_*`): their exploration is paid once per batch size, not once per call; one call of a few dozen
+        # rounds keeps the per-call settings (measured: the serving ones cost a batch-1 call on MT-Bench 10% of
+        # its speed, its two measured root-only rounds and earlier pauses included)
+        self.lasting = pauses is not None
         self._pause = self._pause_at(rows)
         self.observed: dict[int, list[float]] = {}  # verification seconds by block size, this call's rounds
 
@@ -107,6 +112,9 @@ class CostModel:
     RESUME_MARGIN = 1.05
     # while drafting, one root-only round every this many drafted rounds keeps the plain rate current
     REFRESH_PLAIN_EVERY = 64
+    # a call's own verdicts (no `keep_pauses`): drafting goes on within 5% of the plain rate (the curve's T(1)
+    # before a root-only round is measured), probes every `PROBE_EVERY` rounds
+    CALL_MARGIN = 1 / 1.05
 
     def _pause_at(self, rows: int) -> PauseState:
         """The pause state of batch size `rows`; a size not seen yet starts with the verdict of the nearest size
@@ -156,12 +164,13 @@ class CostModel:
         if unmeasured and self.live_scale and pause.inherited:  # an inherited pause goes on until measured
             return self._paused_round()
         pause.inherited = False
-        if not unmeasured and pause.plain_rounds < self.MIN_PLAIN_ROUNDS:
+        if self.lasting and not unmeasured and pause.plain_rounds < self.MIN_PLAIN_ROUNDS:
             return True  # measure a root-only round at this batch size
-        margin = self.RESUME_MARGIN if pause.pausing else self.KEEP_MARGIN
+        margin = (self.RESUME_MARGIN if pause.pausing else self.KEEP_MARGIN) if self.lasting else self.CALL_MARGIN
         if unmeasured or drafted * margin <= self.plain_rate(active_rows):
             pause.pausing, pause.paused_in_a_row, pause.probe_every = False, 0, self.PROBE_EVERY
-            return not unmeasured and pause.drafted_since_plain >= self.REFRESH_PLAIN_EVERY  # refresh plain
+            return (self.lasting and not unmeasured  # refresh the plain rate
+                    and pause.drafted_since_plain >= self.REFRESH_PLAIN_EVERY)
         return self._paused_round()
 
     def _paused_round(self) -> bool:
@@ -172,7 +181,7 @@ class CostModel:
         elif pause.paused_in_a_row == 0 and pause.drafted_rounds >= self.MIN_DRAFTED_ROUNDS:
             # the probe just drafted and drafting still does not pay (an inherited pause probes at the first
             # interval until its own drafted rounds are enough to judge)
-            pause.probe_every = min(2 * pause.probe_every, self.MAX_PROBE_EVERY)
+            pause.probe_every = min(2 * pause.probe_every, self.MAX_PROBE_EVERY if self.lasting else self.PROBE_EVERY)
         if pause.paused_in_a_row >= pause.probe_every - 1:
             pause.paused_in_a_row = 0
             return False

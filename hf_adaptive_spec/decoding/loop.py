@@ -215,15 +215,15 @@ class Decoding:
 
     def _enter_cpu_kernels(self) -> None:
         """Rounds on a CPU (measured there only; both change float rounding, not math): the small-batch linear
-        kernel for verification and drafting, one-row inputs included (the plain mode's steps, a paused round at
-        batch 1, a drafter's one-token steps: torch's one-row product is 1.6-2.3x slower on 2 cores; a drafter
-        that `compact_weights` reads bf16 copies: drafts only, the target still decides every token), and tree
-        forwards' GQA without repeat_kv."""
+        kernel for verification and drafting (a drafter that `compact_weights` reads bf16 copies: drafts only, the
+        target still decides every token; one-row inputs too in the plain mode only: with a drafter, a batch-1
+        call on MT-Bench ran 19% slower with them), and tree forwards' GQA without repeat_kv."""
         drafter = self.drafter
         compact = (drafter.model,) if drafter.compact_weights else ()
         setup_start = clock.now()
         self.scope.enter_context(cpu_linear.fast_linears(self.model, self.assistant_model, compact=compact))
-        self.scope.enter_context(cpu_linear.single_row_kernel())
+        if self.strategy_class.drafts_nothing:  # `plain`: every step is one row per sequence
+            self.scope.enter_context(cpu_linear.single_row_kernel())
         self.stats.time_setup += clock.now() - setup_start
         for verifier in (self.model, drafter.model if drafter.tree_forwards else None):
             self.scope.enter_context(tree_attention(verifier))
