@@ -14,7 +14,10 @@ Methods (`load_batches.load_methods`, the same as the load sweep's), each served
 
 For each arrival process and rate, every method serves the same trace (`serving.loadgen.arrival_times`, `--seed`)
 of `--requests` chat requests (greedy, `--max-new-tokens`, prompts cycled), in an order rotated per rate so that
-machine drift spreads over the methods; each server first answers `--warmup` untimed requests. Per run:
+machine drift spreads over the methods; each server first answers `--warmup` untimed requests. `--repeats N`
+serves each trace N times in passes, the order rotated again per pass (servers run one after another drift by a
+few percent on a busy 2-core machine: a ratio is only as good as its spread), and adds a table of each method's
+ratios over `off` pass by pass, with their mean. Per run:
 throughput (completion tokens per second over the run), mean / p50 / p90 / p99 end-to-end latency, time to first
 token, and the structures the engine verified (draft nodes per row-round, from its counters; 0 = a plain step).
 Every answer must equal the speculation-off server's answer to the same prompt (greedy): a mismatch or a failed
@@ -109,53 +112,67 @@ def _answers(report: dict) -> dict:
 def run_served(target, tokenizer, drafter, model_name: str, methods: Sequence[LoadMethod], rates: Sequence[float],
                arrivals: Sequence[str], requests: int, max_new_tokens: int, max_batch: int, max_queue: int,
                seed: int, prompts: Sequence[str], warmup: int = 2, time_limit: float = 900.0,
-               progress=sys.stderr) -> dict:
-    """Every method at every arrival process and rate (see the module docstring); the results dict."""
-    from ..serving.loadgen import LoadSpec, run_load
-
+               progress=sys.stderr, repeats: int = 1) -> dict:
+    """Every method at every arrival process and rate, `repeats` passes each (see the module docstring); the
+    results dict (each run carries its pass, `repeat`)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     runs, failures = [], []
     for kind in arrivals:
         for index, rate in enumerate(rates):
-            order = list(methods[index % len(methods):]) + list(methods[: index % len(methods)])
-            reference = None
-            by_method = {}
-            for method in order:
-                if progress is not None:
-                    print(f"[served] {kind} rate {rate:g}/s: {method.name}", file=progress, flush=True)
-                try:
-                    with served(target, tokenizer, drafter, method, model_name, max_batch, max_queue) as url:
-                        if warmup:
-                            run_load(LoadSpec(url=url, rate=100.0, requests=warmup, max_tokens=8, prompts=prompts,
-                                              seed=seed + 1, time_limit=time_limit))
-                        report = run_load(LoadSpec(url=url, rate=rate, arrivals=kind, requests=requests, seed=seed,
-                                                   max_tokens=max_new_tokens, prompts=prompts, label=method.name,
-                                                   time_limit=time_limit))
-                except Exception as error:
-                    failures.append({"method": method.name, "arrivals": kind, "rate": rate,
-                                     "error": f"{type(error).__name__}: {error}"})
-                    continue
-                by_method[method.name] = report
-            off = by_method.get(OFF)
-            reference = _answers(off) if off is not None else None
-            for method in methods:
-                report = by_method.get(method.name)
-                if report is None:
-                    continue
-                counts = report["requests"]
-                if counts["ok"] != counts["total"]:
-                    failures.append({"method": method.name, "arrivals": kind, "rate": rate,
-                                     "error": f"{counts['total'] - counts['ok']} of {counts['total']} requests not "
-                                              f"answered: {counts['errors']}"})
-                mismatched = []
-                if reference is not None and method.name != OFF:
-                    answers = _answers(report)
-                    mismatched = [i for i, text in answers.items()
-                                  if i in reference and text is not None and text != reference[i]]
-                    if mismatched:
-                        failures.append({"method": method.name, "arrivals": kind, "rate": rate,
-                                         "error": f"answers differ from speculation off at requests {mismatched}"})
-                runs.append(_record(method, kind, rate, report, off, mismatched))
+            for repeat in range(repeats):
+                _serve_pass(target, tokenizer, drafter, model_name, methods, kind, rate, index + repeat, repeat,
+                            requests, max_new_tokens, max_batch, max_queue, seed, prompts, warmup, time_limit,
+                            progress, runs, failures)
     return {"runs": runs, "failures": failures}
+
+
+def _serve_pass(target, tokenizer, drafter, model_name, methods, kind, rate, rotation, repeat, requests,
+                max_new_tokens, max_batch, max_queue, seed, prompts, warmup, time_limit, progress, runs, failures):
+    """One pass: every method serves the trace of `kind` at `rate` (order rotated by `rotation`); appends the
+    runs and failures."""
+    from ..serving.loadgen import LoadSpec, run_load
+
+    shift = rotation % len(methods)
+    order = list(methods[shift:]) + list(methods[:shift])
+    by_method = {}
+    for method in order:
+        if progress is not None:
+            print(f"[served] {kind} rate {rate:g}/s: {method.name}"
+                  + (f" (pass {repeat + 1})" if repeat else ""), file=progress, flush=True)
+        try:
+            with served(target, tokenizer, drafter, method, model_name, max_batch, max_queue) as url:
+                if warmup:
+                    run_load(LoadSpec(url=url, rate=100.0, requests=warmup, max_tokens=8, prompts=prompts,
+                                      seed=seed + 1, time_limit=time_limit))
+                report = run_load(LoadSpec(url=url, rate=rate, arrivals=kind, requests=requests, seed=seed,
+                                           max_tokens=max_new_tokens, prompts=prompts, label=method.name,
+                                           time_limit=time_limit))
+        except Exception as error:
+            failures.append({"method": method.name, "arrivals": kind, "rate": rate,
+                             "error": f"{type(error).__name__}: {error}"})
+            continue
+        by_method[method.name] = report
+    off = by_method.get(OFF)
+    reference = _answers(off) if off is not None else None
+    for method in methods:
+        report = by_method.get(method.name)
+        if report is None:
+            continue
+        counts = report["requests"]
+        if counts["ok"] != counts["total"]:
+            failures.append({"method": method.name, "arrivals": kind, "rate": rate,
+                             "error": f"{counts['total'] - counts['ok']} of {counts['total']} requests not "
+                                      f"answered: {counts['errors']}"})
+        mismatched = []
+        if reference is not None and method.name != OFF:
+            answers = _answers(report)
+            mismatched = [i for i, text in answers.items()
+                          if i in reference and text is not None and text != reference[i]]
+            if mismatched:
+                failures.append({"method": method.name, "arrivals": kind, "rate": rate,
+                                 "error": f"answers differ from speculation off at requests {mismatched}"})
+        runs.append({**_record(method, kind, rate, report, off, mismatched), "repeat": repeat})
 
 
 def _record(method: LoadMethod, kind: str, rate: float, report: dict, off: Optional[dict], mismatched: list) -> dict:
@@ -181,6 +198,7 @@ def served_markdown(results: dict) -> str:
     lines = [f"Served load ({setup['target']} + {setup['drafter']}; {setup['requests']} requests per run, "
              f"{setup['max_new_tokens']} new tokens, greedy, max batch {setup['max_batch']}; "
              f"{setup['machine']}, {setup['date']}).", ""]
+    passes = 1 + max((run.get("repeat", 0) for run in results["runs"]), default=0)
     for kind in dict.fromkeys(run["arrivals"] for run in results["runs"]):
         lines += [f"### {kind} arrivals", "",
                   "| rate (req/s) | method | tok/s | vs off | latency mean | p50 | p90 | p99 | TTFT mean | p90 "
@@ -191,16 +209,50 @@ def served_markdown(results: dict) -> str:
                 continue
             latency, ttft, structure = run["latency_s"], run["ttft_s"], run["structure"]
             share = structure["plain_step_share"]
+            label = run["method"] + (f" (pass {run['repeat'] + 1})" if passes > 1 else "")
             lines.append(
-                f"| {run['rate']:g} | {run['method']} | {_cell(run['throughput_tok_s'], 1)} | "
+                f"| {run['rate']:g} | {label} | {_cell(run['throughput_tok_s'], 1)} | "
                 f"{_cell(run['vs_off'])}x | {_cell(latency['mean'])} | {_cell(latency['p50'])} | "
                 f"{_cell(latency['p90'])} | {_cell(latency['p99'])} | {_cell(ttft['mean'])} | {_cell(ttft['p90'])} | "
                 f"{_cell(structure['nodes_per_row_round'])} | {'-' if share is None else f'{100 * share:.0f}%'} |")
         lines.append("")
+    if passes > 1:
+        lines += passes_table(results) + [""]
     if results["failures"]:
         lines += ["Failures:", ""] + [f"- {f['method']} {f['arrivals']} {f['rate']:g}: {f['error']}"
                                       for f in results["failures"]]
     return "\n".join(lines) + "\n"
+
+
+def pass_ratios(results: dict) -> dict:
+    """`{(arrivals, rate, method): {"throughput": [...], "latency": [...]}}`: per pass, the method's throughput over
+    `off`'s and its mean end-to-end latency over `off`'s in the same pass (None where either is missing)."""
+    runs = results["runs"]
+    off = {(run["arrivals"], run["rate"], run.get("repeat", 0)): run for run in runs if run["method"] == OFF}
+    ratios = {}
+    for run in runs:
+        if run["method"] == OFF:
+            continue
+        base = off.get((run["arrivals"], run["rate"], run.get("repeat", 0)))
+        mine, theirs = run["latency_s"]["mean"], base["latency_s"]["mean"] if base else None
+        entry = ratios.setdefault((run["arrivals"], run["rate"], run["method"]), {"throughput": [], "latency": []})
+        entry["throughput"].append(run["vs_off"])
+        entry["latency"].append(mine / theirs if mine and theirs else None)
+    return ratios
+
+
+def passes_table(results: dict) -> list:
+    """Markdown lines: each method's ratios over `off` pass by pass (throughput; mean latency), and their means."""
+    def listed(values: list) -> str:
+        known = [v for v in values if v is not None]
+        mean = f" (mean {sum(known) / len(known):.2f}x)" if known else ""
+        return ", ".join("-" if v is None else f"{v:.2f}x" for v in values) + mean
+
+    lines = ["### pass by pass, over `off` in the same pass", "",
+             "| arrivals | rate (req/s) | method | throughput vs off | mean latency vs off |", "|---|--:|---|---|---|"]
+    for (kind, rate, method), entry in pass_ratios(results).items():
+        lines.append(f"| {kind} | {rate:g} | {method} | {listed(entry['throughput'])} | {listed(entry['latency'])} |")
+    return lines
 
 
 def write_plots(results: dict, out_dir: Path) -> list:
@@ -218,9 +270,12 @@ def write_plots(results: dict, out_dir: Path) -> list:
         fig, ax = plt.subplots(figsize=(7, 4))
         for kind in dict.fromkeys(run["arrivals"] for run in results["runs"]):
             for method in dict.fromkeys(run["method"] for run in results["runs"]):
-                points = [(run["rate"], run[key] if key != "p90" else run["latency_s"]["p90"])
-                          for run in results["runs"] if run["arrivals"] == kind and run["method"] == method]
-                points = [(x, y) for x, y in points if y is not None]
+                by_rate = {}  # the mean over passes
+                for run in results["runs"]:
+                    value = run[key] if key != "p90" else run["latency_s"]["p90"]
+                    if run["arrivals"] == kind and run["method"] == method and value is not None:
+                        by_rate.setdefault(run["rate"], []).append(value)
+                points = [(rate, sum(values) / len(values)) for rate, values in by_rate.items()]
                 if points:
                     ax.plot(*zip(*points), marker="o", label=f"{method} ({kind})",
                             linestyle="-" if kind == "poisson" else "--")
@@ -254,6 +309,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", default=None, help="a prompts file (default: the load generator's list)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="passes per arrival process and rate, the method order rotated per pass (default 1)")
     parser.add_argument("--no-prepare", action="store_true",
                         help="skip measuring the verifier's cost curve at batch sizes 1..--max-batch before the runs "
                              "(measured once per machine, then read from disk)")
@@ -273,8 +330,10 @@ def run(args) -> int:
     from .load_options import fixed_structures
     from .report import environment
 
-    if args.requests < 1 or args.max_batch < 1 or args.max_new_tokens < 1 or any(r <= 0 for r in args.rates):
-        raise SystemExit("bench-served: --requests, --max-batch, --max-new-tokens and every rate must be positive.")
+    if (args.requests < 1 or args.max_batch < 1 or args.max_new_tokens < 1 or args.repeats < 1
+            or any(r <= 0 for r in args.rates)):
+        raise SystemExit("bench-served: --requests, --max-batch, --max-new-tokens, --repeats and every rate must be "
+                         "positive.")
     chains, trees = fixed_structures(args.fixed)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -297,12 +356,13 @@ def run(args) -> int:
     env = environment(torch.device("cpu"), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)))
     results = run_served(target, tokenizer, drafter, args.target, methods, args.rates, args.arrivals, args.requests,
                          args.max_new_tokens, args.max_batch, args.max_queue, args.seed, prompts, args.warmup,
-                         args.time_limit)
+                         args.time_limit, repeats=args.repeats)
     results["settings"] = {
         "target": args.target, "drafter": args.drafter, "drafter_int8": bool(args.drafter_int8 and not laspec),
         "methods": [m.name for m in methods],
         "rates": list(args.rates), "arrivals": list(args.arrivals), "requests": args.requests,
         "max_new_tokens": args.max_new_tokens, "max_batch": args.max_batch, "seed": args.seed,
+        "repeats": args.repeats,
         "threads": torch.get_num_threads(), "machine": f"{env['cpu_model'] or platform.machine()}, "
         f"{torch.get_num_threads()} threads", "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
         "seconds": time.time() - started, "environment": env,
