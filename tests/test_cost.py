@@ -360,15 +360,49 @@ def test_a_pause_ends_only_when_drafting_is_clearly_faster():
         model.observe_rate(True, round_seconds=0.0485, tokens=1)  # 3% faster: within the resume margin
     assert model.pause_drafting()
     model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.08, 0.09]), rows=2)  # a request joins
-    # two rows, not seen yet: the verdict of the nearest judged size (one row) holds until measured, probing
-    decisions = [model.pause_drafting() for _ in range(2 * CostModel.PROBE_EVERY)]
-    assert decisions == ([True] * (CostModel.PROBE_EVERY - 1) + [False]) * 2  # no doubling before it is judged
+    # two rows while one row finds no gain: paused, without probes of its own (`_paused_below`)
+    assert all(model.pause_drafting() for _ in range(4 * CostModel.MAX_PROBE_EVERY))
     model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), rows=1)  # and leaves
     assert model.pause_drafting()  # the pause of one row goes on
     model.observe_rate(False, round_seconds=0.05, tokens=1)  # a paused round
     for _ in range(40):
         model.observe_rate(True, round_seconds=0.045, tokens=1)  # 10% faster: drafting again
     assert not model.pause_drafting()
+
+
+def _judged(model: CostModel, rows: int, drafted_seconds: float, plain_seconds: float) -> None:
+    """Measured rounds at `rows` rows: drafted ones at `drafted_seconds`, root-only ones at `plain_seconds`."""
+    model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.01 * rows, 0.012 * rows]), rows=rows)
+    for _ in range(CostModel.MIN_PLAIN_ROUNDS):
+        model.observe_rate(False, round_seconds=plain_seconds, tokens=rows)
+    for _ in range(CostModel.MIN_DRAFTED_ROUNDS):
+        model.observe_rate(True, round_seconds=drafted_seconds, tokens=rows)
+
+
+@pytest.mark.measured_cost
+def test_a_larger_batch_does_not_probe_while_a_smaller_one_finds_no_gain():
+    """Lasting verdicts: drafting pays less as rows are added, so a batch larger than a size paused on its own
+    measurements pauses without probes; a smaller batch inherits the nearest verdict and probes; once the smaller
+    size finds a gain again, the larger one judges by its own rates."""
+    model = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", rows=4,
+                      pauses={})
+    _judged(model, 4, drafted_seconds=0.06, plain_seconds=0.04)  # 4 rows: drafting is slower
+    assert model.pause_drafting()
+    _judged(model, 8, drafted_seconds=0.05, plain_seconds=0.06)  # 8 rows: drafting measured faster (noise)
+    assert all(model.pause_drafting() for _ in range(4 * CostModel.MAX_PROBE_EVERY))  # 4 rows decides
+    model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.03, 0.04]), rows=3)  # three rows, not seen yet
+    decisions = [model.pause_drafting() for _ in range(2 * CostModel.PROBE_EVERY)]
+    assert decisions == ([True] * (CostModel.PROBE_EVERY - 1) + [False]) * 2  # the verdict of 4, probing
+    model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), rows=4)
+    for _ in range(40):
+        model.observe_rate(True, round_seconds=0.03, tokens=4)  # 4 rows' probes find a gain: drafting again
+    assert not model.pause_drafting()
+    model.use_profile(CostProfile(sizes=[1, 2], seconds=[0.08, 0.1]), rows=8)
+    assert not model.pause_drafting()  # 8 rows by its own rates again
+    per_call = CostModel(CostProfile(sizes=[1, 2], seconds=[0.04, 0.05]), max_tokens=8, device="cpu", rows=4)
+    _judged(per_call, 4, drafted_seconds=0.06, plain_seconds=0.04)
+    _judged(per_call, 8, drafted_seconds=0.05, plain_seconds=0.06)
+    assert not per_call.pause_drafting()  # one call's verdicts: each size by its own rates
 
 
 @pytest.mark.measured_cost

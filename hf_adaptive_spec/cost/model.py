@@ -155,10 +155,14 @@ class CostModel:
         default the batch's.
 
         Sooner: once `EMPTY_ROUNDS` drafted rounds in a row kept no draft node after trimming (`observe_trim`),
-        drafting buys nothing at this load; it pauses at once, probing the same way."""
+        drafting buys nothing at this load; it pauses at once, probing the same way. With lasting verdicts (a
+        serving engine), a batch larger than a size paused on its own measurements pauses without probes
+        (`_paused_below`)."""
         pause = self._pause
         if self.live_scale and pause.trimmed_empty >= self.EMPTY_ROUNDS:
             return self._paused_round()
+        if self.lasting and self.live_scale and self._paused_below(self.rows):
+            return True  # no probe here: the smaller size's probes tell when drafting pays again
         drafted = self.drafted_rate
         unmeasured = not self.live_scale or drafted is None or pause.drafted_rounds < self.MIN_DRAFTED_ROUNDS
         if unmeasured and self.live_scale and pause.inherited:  # an inherited pause goes on until measured
@@ -172,6 +176,15 @@ class CostModel:
             return (self.lasting and not unmeasured  # refresh the plain rate
                     and pause.drafted_since_plain >= self.REFRESH_PLAIN_EVERY)
         return self._paused_round()
+
+    def _paused_below(self, rows: int) -> bool:
+        """Whether a batch size under `rows` is paused on its own measurements (lasting verdicts only). Drafting
+        pays less as rows are added (each verified node costs more of a forward that is already compute-bound), so
+        a larger batch does not pay for probes of its own while a smaller one finds no gain: at a full serving
+        batch, probes and noisy verdicts were most of the drafted rounds left."""
+        return any(size < rows and state.pausing and not state.inherited
+                   and state.drafted_rounds >= self.MIN_DRAFTED_ROUNDS and state.plain_rounds >= self.MIN_PLAIN_ROUNDS
+                   for size, state in self._pauses.items())
 
     def _paused_round(self) -> bool:
         """One round of a pause: True (verify the root alone), or False for a probe every `probe_every` rounds."""
