@@ -467,6 +467,28 @@ def test_a_batch_prices_a_token_at_its_share_of_a_step():
 
 
 @pytest.mark.measured_cost
+def test_a_tokens_price_follows_the_batch_size():
+    """t_token is kept per batch size: a batch that grows from one row to four prices a token at the four-row
+    profile's T(1) / 4 (not at the one-row rounds' rate, several times higher, which made every node look worth
+    verifying), and a size seen before takes up its own rate again."""
+    one = CostProfile(sizes=[1, 2], seconds=[0.4, 0.2])  # one row: torch's slower one-row product
+    four = CostProfile(sizes=[1, 2], seconds=[0.2, 0.25])
+    model = CostModel(one, max_tokens=8, device="cpu", rows=1, smoothing=1.0)
+    assert float(model.seconds_per_token) == pytest.approx(0.4)
+    tree = _tree([-1, 0], [1.0, 0.9])
+    model.observe(tree, torch.tensor([[11, 0]]), round_seconds=0.6, tokens=torch.tensor(2))
+    assert float(model.seconds_per_token) == pytest.approx(0.3)
+    model.use_profile(four, rows=4)  # three requests join
+    assert float(model.seconds_per_token) == pytest.approx(0.05)
+    model.observe(tree, torch.tensor([[11, 0]]), round_seconds=0.48, tokens=torch.tensor(8))
+    assert float(model.seconds_per_token) == pytest.approx(0.06)
+    model.use_profile(one, rows=1)  # they leave
+    assert float(model.seconds_per_token) == pytest.approx(0.3)
+    model.use_profile(four, rows=4)
+    assert float(model.seconds_per_token) == pytest.approx(0.06)
+
+
+@pytest.mark.measured_cost
 def test_the_rates_of_a_batch_size_survive_its_changes():
     """A serving batch changes size every few rounds: the drafted / root-only rates of each size are kept while the
     batch has another size, so the pause rule still decides (rates of different sizes never mix)."""

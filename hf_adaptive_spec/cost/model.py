@@ -50,6 +50,9 @@ class CostModel:
         # before any round: a plain decoding step per token of each row (a device scalar: updating it needs no
         # host sync); a step gives every row a token, so at batch b a token costs T(1) / b
         self.seconds_per_token = torch.tensor(profile.time(1) / rows, dtype=torch.float32, device=device)
+        # t_token of each batch size the batch had (a serving batch changes size every few rounds as requests join
+        # and leave; a token's price at 1 row is several times its price at 8)
+        self._token_seconds: dict[int, torch.Tensor] = {}
         self.smoothing = smoothing
         self.live_scale = timed and (torch.device(device).type == "cpu" if live_scale is None else live_scale)
         # pausing the drafter (CPU only, where host times are real): running seconds and tokens of drafted
@@ -78,8 +81,14 @@ class CostModel:
     def use_profile(self, profile: CostProfile, rows: int) -> None:
         """Price on `profile` from now on, the profile of a batch of `rows` (the batch changed size): this call's
         forwards first correct the profile they ran against (`refine_profile`); the live scale restarts; the
-        drafted / undrafted rates continue those of the last time the batch had `rows` rows (else restart)."""
+        drafted / undrafted rates and t_token continue those of the last time the batch had `rows` rows (else they
+        restart, t_token at the profile's T(1) / rows, as a call starts)."""
         self._pause = self._pause_at(rows)
+        if rows != self.rows:
+            self._token_seconds[self.rows] = self.seconds_per_token
+            known = self._token_seconds.get(rows)
+            self.seconds_per_token = known if known is not None else torch.tensor(
+                profile.time(1) / rows, dtype=torch.float32, device=self.table.device)
         self.rows = rows
         if profile is self.profile:
             return
