@@ -203,24 +203,38 @@ class LeanForward:
         verify trees of different sizes then costs what its real tokens cost, not B times its widest row.
         `state_indices` (iterable of `int`, optional): keep only these hidden-state entries (numbered like
         `hidden_states`), returned as a dict; implies `output_hidden_states`."""
-        inner = self.inner
-        implementation = inner.config._attn_implementation
+        implementation = self.inner.config._attn_implementation
         if implementation not in _ATTENTION:
             raise RuntimeError(f"the lean forward does not run attention {implementation!r}")
         if token_valid is not None and logits_to_keep:
             raise ValueError("the lean forward packs real tokens only with logits_to_keep=0")
         attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.eager)
-        shape = input_ids.shape
-        if token_valid is None:
-            hidden = inner.embed_tokens(input_ids)
-            spread = index = None
-        else:
-            index = token_valid.reshape(-1).nonzero().squeeze(1)  # (m,) real tokens in the flattened block
-            hidden = inner.embed_tokens(input_ids.reshape(-1).index_select(0, index))
+        hidden, spread, index = self._embed(input_ids, token_valid)
+        rotary, text_positions = self._rotary(hidden, position_ids)
+        keep = None if state_indices is None else set(state_indices)
+        states = [hidden if keep is None or 0 in keep else None] if (output_hidden_states or keep) else None
+        hidden = self._layers(hidden, input_ids.shape, spread, index, rotary, attention_function, attention_mask,
+                              text_positions, cache, states, keep)
+        return self._head(hidden, spread, logits_to_keep, states, keep)
 
-            def spread(packed: torch.Tensor) -> torch.Tensor:  # (m, F) -> (B, M, F), zeros at padding
-                full = packed.new_zeros(shape[0] * shape[1], packed.shape[-1])
-                return full.index_copy_(0, index, packed).view(*shape, -1)
+    def _embed(self, input_ids: torch.Tensor, token_valid: torch.Tensor | None):
+        """`(hidden, spread, index)`: the embedded tokens, `(B, M, hidden)`, or with `token_valid` the real
+        tokens packed `(m, hidden)` with `spread` (`(m, F)` -> `(B, M, F)`, zeros at padding) and their indices
+        `(m,)` in the flattened block; without `token_valid` `spread` and `index` are None."""
+        if token_valid is None:
+            return self.inner.embed_tokens(input_ids), None, None
+        shape = input_ids.shape
+        index = token_valid.reshape(-1).nonzero().squeeze(1)  # (m,) real tokens in the flattened block
+        hidden = self.inner.embed_tokens(input_ids.reshape(-1).index_select(0, index))
+
+        def spread(packed: torch.Tensor) -> torch.Tensor:  # (m, F) -> (B, M, F), zeros at padding
+            full = packed.new_zeros(shape[0] * shape[1], packed.shape[-1])
+            return full.index_copy_(0, index, packed).view(*shape, -1)
+        return hidden, spread, index
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """`((cos, signed_sin, half), text_positions)`: the rotary factors `(B, 1, M, head_dim)`, with
+        `rotate_half(x) * sin` rewritten as `x.roll(half, -1) * signed_sin`, and the positions attention gets."""
         text_positions = position_ids
         if self.rope_rows:  # as the Qwen-VL text models do: rows for the rotary, text positions for attention
             if position_ids.ndim == 2:
@@ -229,15 +243,19 @@ class LeanForward:
                 text_positions, position_ids = position_ids[0], position_ids[1:]
             else:
                 text_positions = None
-        cos, sin = inner.rotary_emb(hidden, position_ids)
+        cos, sin = self.inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         # rotate_half(x) * sin == roll(x, half) * [-sin_1, sin_2] exactly ((-a) * b == a * (-b) in IEEE floats):
         # 2 operations per tensor instead of 5
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        keep = None if state_indices is None else set(state_indices)
-        last = len(self.layers)
-        states = [hidden if keep is None or 0 in keep else None] if (output_hidden_states or keep) else None
+        return (cos, signed_sin, half), text_positions
+
+    def _layers(self, hidden, shape, spread, index, rotary, attention_function, attention_mask, text_positions,
+                cache, states, keep) -> torch.Tensor:
+        """Every decoder layer over `hidden` (packed when `spread` is given), appending each layer's output to
+        `states` (None: none kept; an entry outside `keep` is None). Returns the last layer's output."""
+        cos, signed_sin, half = rotary
         for (norm_in, attention, q_proj, k_proj, v_proj, o_proj, norm_post, gate_proj, up_proj, down_proj,
              act_fn, q_norm, k_norm) in self.layers:
             residual = hidden
@@ -267,10 +285,15 @@ class LeanForward:
             hidden = residual + hidden
             if states is not None:
                 states.append(hidden if keep is None or len(states) in keep else None)
-        hidden = _rms_norm(inner.norm, hidden)
+        return hidden
+
+    def _head(self, hidden, spread, logits_to_keep, states, keep) -> CausalLMOutputWithPast:
+        """The final norm and the LM head over the last layer's output, and the kept hidden states (a tuple,
+        or a dict by entry with `keep`), spread back to `(B, M, F)` when the tokens were packed."""
+        hidden = _rms_norm(self.inner.norm, hidden)
         if states is not None:
             # transformers records the last layer's output after the final norm
-            states[-1] = hidden if keep is None or last in keep else None
+            states[-1] = hidden if keep is None or len(self.layers) in keep else None
         if spread is not None:
             logits = spread(self.lm_head.forward(hidden))
             states = [spread(s) if s is not None else None for s in states] if states is not None else None
