@@ -32,6 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops import tensor_version
+from .model_config import text_config
 
 __all__ = ["CAPTURE_ATTENTION", "TREE_SDPA", "library_attention_forward", "recording_queries", "register_tree_attention",
            "switched_attention", "text_attention", "tree_attention", "tree_sdpa_attention"]
@@ -119,11 +120,11 @@ def register_tree_attention() -> str:
 
 def _text_config_key(config) -> str | None:
     """Name of the sub-config holding the text model (None for a plain LM)."""
-    text_config = config.get_text_config()
-    if text_config is config:
+    text = text_config(config)
+    if text is config:
         return None
     for key in config.sub_configs:
-        if getattr(config, key, None) is text_config:
+        if getattr(config, key, None) is text:
             return key
     raise ValueError(f"Cannot find the text sub-config of {type(config).__name__} among {list(config.sub_configs)}.")
 
@@ -131,9 +132,7 @@ def _text_config_key(config) -> str | None:
 def text_attention(model) -> str | None:
     """The text attention implementation `model` runs outside speculative calls: "sdpa" while a speculative
     call (of any thread) holds it switched to `TREE_SDPA`."""
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if config is not None else None
-    name = getattr(text_config, "_attn_implementation", None)
+    name = getattr(text_config(model), "_attn_implementation", None)
     return "sdpa" if name == TREE_SDPA else name
 
 

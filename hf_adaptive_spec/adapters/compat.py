@@ -1,7 +1,8 @@
 """What this library can run exactly, and clear refusals for everything else.
 
 Model-family specifics live here and in `ModelRunner` (position layout), not
-in the decoding loop.
+in the decoding loop. The text config and vocabulary size of a model (`text_config`, `vocab_size`, defined
+in `model_config`) are handed on from here to the rest of the package.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .attention import text_attention
+from .model_config import text_config, vocab_size
 from .placement import check_placement
 from .windows import attention_layout
+
+__all__ = ["MULTIMODAL_KEYS", "SUPPORTED_ATTENTION", "cache_argument", "cache_from_kwargs", "check_cache",
+           "check_model", "check_pair", "cross_attention", "output_cache", "text_config", "vocab_size"]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 # raw multimodal inputs a drafter may need in its prefill
@@ -55,11 +60,6 @@ def output_cache(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-def _text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def cross_attention(model) -> str | None:
     """What gives `model`'s decoder cross-attention layers, or None when it has none.
 
@@ -68,7 +68,7 @@ def cross_attention(model) -> str | None:
     a decoder config that enables cross-attention (`add_cross_attention`, `cross_attention_layers`), or a
     module of the text decoder whose class is a cross-attention one.
     """
-    config = _text_config(model)
+    config = text_config(model)
     if getattr(config, "add_cross_attention", False):
         return "config.add_cross_attention=True"
     layers = getattr(config, "cross_attention_layers", None)
@@ -138,8 +138,8 @@ def check_cache(cache, role: str) -> None:
 
 def check_pair(target, drafter, tokenizer=None, assistant_tokenizer=None) -> None:
     """The drafter must speak the target's vocabulary exactly."""
-    target_vocab = _text_config(target).vocab_size
-    drafter_vocab = _text_config(drafter).vocab_size
+    target_vocab = vocab_size(target)
+    drafter_vocab = vocab_size(drafter)
     if target_vocab != drafter_vocab:
         raise ValueError(
             f"The drafter's vocabulary ({drafter_vocab} tokens) does not match the target's ({target_vocab}); "

@@ -13,6 +13,8 @@ import threading
 
 from torch import nn
 
+from .model_config import text_config
+
 __all__ = ["StateCapture", "decoder_layers"]
 
 
@@ -23,8 +25,7 @@ def decoder_layers(model):
         decoder = model.get_decoder()
     except (AttributeError, NotImplementedError):
         return None
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    count = getattr(config, "num_hidden_layers", None)
+    count = getattr(text_config(model, decoder=True), "num_hidden_layers", None)
     lists = [child for child in decoder.children() if isinstance(child, nn.ModuleList) and len(child) == count]
     if len(lists) != 1:
         return None

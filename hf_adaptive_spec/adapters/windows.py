@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
+from .model_config import text_config
+
 __all__ = ["AttentionLayout", "WindowedSlots", "attention_layout", "windowed_slots", "WINDOWED_LAYER_TYPES"]
 
 # layer type -> how it restricts attention beyond the causal / tree mask
@@ -32,14 +34,9 @@ WINDOWED_LAYER_TYPES = {"sliding_attention": "sliding", "chunked_attention": "ch
 ATTENTION_LAYER_TYPES = ("full_attention", *WINDOWED_LAYER_TYPES)
 
 
-def _decoder_config(model):
-    config = model.config
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
 def layer_types(model) -> list[str]:
     """Each decoder layer's type, as transformers decides it when it builds the model's `DynamicCache`."""
-    return list(get_layer_types_and_kwargs(_decoder_config(model))[0])
+    return list(get_layer_types_and_kwargs(text_config(model, decoder=True))[0])
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,7 @@ def attention_layout(model) -> AttentionLayout | None:
     Raises `ValueError` for a layer type that is neither full, sliding nor chunked attention (recurrent,
     linear-attention, convolutional or shared-KV layers), naming it.
     """
-    config = _decoder_config(model)
+    config = text_config(model, decoder=True)
     types, kwargs = get_layer_types_and_kwargs(config)
     other = sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
     if other:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters.compat import text_config
 from ..ops import cpu_linear, scoped
 from .measure import measure_verifier_cost
 from .profile import DEFAULT_SIZES, CostProfile, prior_profile
@@ -26,7 +27,7 @@ def _profile_key(model, batch_size: int, lean: bool = False) -> str:
     device = model.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-    config = model.config.get_text_config()
+    config = text_config(model)
     shape = f"{config.hidden_size}x{config.num_hidden_layers}"
     attn = getattr(model.config, "_attn_implementation", "")
     kernels = "|cpu-small-linear" if cpu_linear.active() else ""  # another cost curve

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..adapters.compat import vocab_size
 from ..cost import measure_cost_curve
 from ..drafters.laspec import LaSpecDrafterModel
 from ..ops import cpu_linear
@@ -54,7 +55,7 @@ def prepare(model, assistant_model, spec_strategy: str | None = None, batch_size
     config = dict(spec_config or {})
     if strategy in ("sage", "chain"):
         config["verify_cost"] = True
-    vocab = model.config.get_text_config().vocab_size
+    vocab = vocab_size(model)
     generator = torch.Generator().manual_seed(0)
     profiles = []
     for batch_size in batch_sizes:

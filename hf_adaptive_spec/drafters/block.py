@@ -32,6 +32,7 @@ from .base import Drafter, TargetPrefill, VerifiedRound
 from .host_tree import budget_tree, latest_match
 from .levels import choose_level
 from ..adapters.attention import text_attention
+from ..adapters.compat import text_config
 from ..adapters.runner import left_pad
 from .vision import QueryCapture, VisualKeyStore, select_visual_tokens
 from .visual_view import image_token_mask
@@ -109,7 +110,7 @@ class BlockDrafter(Drafter):
         self.datastore = datastore
         self.datastore_tokens = datastore_tokens or self.lookup_tokens
         self.layer_ids = list(config.target_layer_ids)
-        num_layers = target.config.get_text_config().num_hidden_layers
+        num_layers = text_config(target).num_hidden_layers
         bad = [layer for layer in self.layer_ids if not 0 <= layer < num_layers]
         if bad:
             raise ValueError(f"The drafter reads target layers {bad}, but the target has {num_layers} layers.")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters.compat import vocab_size
 from .laspec import LaSpecDrafterConfig, LaSpecDrafterModel
 
 __all__ = ["SHIPPED_DRAFTERS", "describe_datastore", "drafter_path", "is_laspec_folder", "list_drafters",
@@ -64,10 +65,10 @@ def load_drafter(name_or_path, target, dtype=None) -> LaSpecDrafterModel:
         raise ValueError(f"{path} is not a LaSpec drafter folder (config.json model_type != 'laspec_drafter').")
     dtype = dtype or target.dtype
     model = LaSpecDrafterModel.from_pretrained(path, dtype=dtype)
-    text = target.config.get_text_config()
-    if model.config.vocab_size != text.vocab_size and model.config.vocab_size != target.get_output_embeddings().weight.shape[0]:
+    vocab = vocab_size(target)
+    if model.config.vocab_size != vocab and model.config.vocab_size != target.get_output_embeddings().weight.shape[0]:
         raise ValueError(f"The drafter at {path} was trained for a {model.config.vocab_size}-token vocabulary; "
-                         f"the target has {text.vocab_size}.")
+                         f"the target has {vocab}.")
     return model.attach_target(target).to(target.device).eval()
 
 

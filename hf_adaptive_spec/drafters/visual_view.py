@@ -22,6 +22,7 @@ import torch
 
 from .. import clock
 from ..adapters.attention import text_attention
+from ..adapters.compat import text_config
 from ..adapters.runner import left_pad
 from .vision import QueryCapture, VisualKeyStore, select_visual_tokens
 
@@ -76,7 +77,7 @@ class VisualView:
         self.target = target
         self.num_visual_tokens = num_visual_tokens
         self.selection = selection
-        self.layer_ids = selection_layers(target.config.get_text_config().num_hidden_layers)
+        self.layer_ids = selection_layers(text_config(target).num_hidden_layers)
         self.capture = None
         self.store = None
         self.image_columns = None  # (B, W) True at visual slots, W <= the runner's width (right-padded lazily)

@@ -54,7 +54,9 @@ def drafter_config(target_config):
     """The drafter's ``LlavaConfig`` for a target's: its vision tower and special tokens, a small Llama."""
     from transformers import LlamaConfig, LlavaConfig
 
-    text = target_config.get_text_config()
+    from ..adapters.compat import text_config
+
+    text = text_config(target_config)
     rope = getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
     text_config = LlamaConfig(vocab_size=text.vocab_size, rms_norm_eps=text.rms_norm_eps, rope_parameters=dict(rope),
                               max_position_embeddings=text.max_position_embeddings, tie_word_embeddings=True,

@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..adapters.compat import text_config, vocab_size
 from .chat import ChatRequest, RequestError, SamplingDefaults, TextAssembler, parse_chat_request
 
 __all__ = ["ServerState", "create_app", "serve"]
@@ -124,12 +125,10 @@ class ServerState:
         if not getattr(processor, "chat_template", None) and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{model_name!r} has no chat template: /v1/chat/completions needs one")
         model = getattr(engine, "model", None)
-        config = getattr(model, "config", None)
-        text_config = config.get_text_config() if config is not None else None
-        if max_context is None and text_config is not None:
-            max_context = getattr(text_config, "max_position_embeddings", None)
+        if max_context is None:
+            max_context = getattr(text_config(model), "max_position_embeddings", None)
         self.max_context = max_context
-        self.vocab_size = getattr(text_config, "vocab_size", None) if text_config is not None else None
+        self.vocab_size = vocab_size(model)
         if sampling is None:
             sampling = SamplingDefaults.from_generation_config(getattr(model, "generation_config", None))
         self.sampling = sampling

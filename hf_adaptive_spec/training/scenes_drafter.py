@@ -73,7 +73,7 @@ def make_drafter_data(target, processor, scenes: list, config: DrafterTrainConfi
     from tqdm.auto import tqdm
     from transformers import DynamicCache
 
-    from ..adapters.compat import cache_argument
+    from ..adapters.compat import cache_argument, text_config
     from ..drafters.vision import QueryCapture, VisualKeyStore, select_visual_tokens
     from ..drafters.visual_view import image_token_mask, selection_layers
     from ..scenes.dataset import DESCRIBE_REQUEST
@@ -82,7 +82,7 @@ def make_drafter_data(target, processor, scenes: list, config: DrafterTrainConfi
     tokenizer = processor.tokenizer
     eos = target.generation_config.eos_token_id
     eos = eos if isinstance(eos, int) else eos[0]
-    layers = selection_layers(target.config.get_text_config().num_hidden_layers)
+    layers = selection_layers(text_config(target).num_hidden_layers)
     keeps = sorted({m for m in config.visual_keep if m > 0})
     records = []
     bar = tqdm(total=len(scenes), desc="target answers", disable=not progress)
@@ -130,10 +130,11 @@ def add_round_selections(target, records: list, config: DrafterTrainConfig, batc
     `visual_selection="round"`, sees while it drafts there), from one teacher-forced forward of prompt + answer."""
     from tqdm.auto import tqdm
 
+    from ..adapters.compat import text_config
     from ..drafters.vision import QueryCapture, VisualKeyStore, select_visual_tokens
     from ..drafters.visual_view import image_token_mask, selection_layers
 
-    layers = selection_layers(target.config.get_text_config().num_hidden_layers)
+    layers = selection_layers(text_config(target).num_hidden_layers)
     keeps = sorted({m for m in config.visual_keep if m > 0})
     for first in tqdm(range(0, len(records), batch_size), desc="per-position selections", disable=not progress):
         chunk = records[first : first + batch_size]

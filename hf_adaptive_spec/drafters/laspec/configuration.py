@@ -5,6 +5,8 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from ...adapters.compat import text_config
+
 __all__ = ["LaSpecDrafterConfig", "default_target_layer_ids"]
 
 
@@ -122,7 +124,7 @@ class LaSpecDrafterConfig(PreTrainedConfig):
             >>> config = LaSpecDrafterConfig.for_target(target_model, num_hidden_layers=2)  # doctest: +SKIP
         """
         config = getattr(target, "config", target)
-        text = config.get_text_config()
+        text = text_config(config)
         rope = getattr(text, "rope_parameters", None) or {}
         rope_theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
         num_heads = text.num_attention_heads
