@@ -216,32 +216,12 @@ class ModelRunner:
                 f"cache holds {self._cached_length()} slots, expected {self._committed(reference)} + {tail}"
             )
         mask, depths = ops.tree_attention_mask(parents, valid, self.slot_valid, self.dtype, num_query=num_new)
-        kwargs = dict(model_kwargs)
-        if self._accepts_logits_to_keep:
-            kwargs["logits_to_keep"] = logits_to_keep
         position_ids = self.position_ids(depths[:, tail:])
-        if self.windows:  # each windowed layer type: its own slots, and the window by text positions
-            node_positions = self.next_position[:, None] + depths
-            masks = {}
-            for group in self.windows:
-                group_mask, _ = ops.tree_attention_mask(parents, valid, group.valid, self.dtype, num_query=num_new)
-                masks[group.layer_type] = self.layout.restrict(
-                    group_mask, node_positions[:, tail:], torch.cat([group.positions, node_positions], 1),
-                    group.layer_type)
-            if self.layout.per_type:
-                if self.full_layers:
-                    masks["full_attention"] = mask
-                mask = masks
-            else:
-                (mask,) = masks.values()
+        if self.windows:
+            mask = self._windowed_masks(mask, parents, valid, depths, tail)
         start = clock.now()
         lean = (self._lean is not None and self._lean.applies(input_ids) and isinstance(mask, torch.Tensor)
                 and set(model_kwargs) <= {"output_hidden_states"})
-        capture = None
-        if states is not None and not lean:
-            capture = StateCapture.for_model(self.model, states)
-            if capture is None:  # layers not located: every entry is asked for (a tuple, indexed alike)
-                kwargs["output_hidden_states"] = True
         if lean:
             # rows of different tree sizes: the per-token work runs on the real tokens only (`LeanForward`)
             block_valid = valid[:, tail:]
@@ -250,28 +230,61 @@ class ModelRunner:
                                 output_hidden_states=bool(model_kwargs.get("output_hidden_states")),
                                 token_valid=packed, state_indices=states)
         else:
-            try:
-                with capture if capture is not None else contextlib.nullcontext():
-                    output = self.model(
-                        input_ids=input_ids,
-                        attention_mask=mask,  # (B, 1, M, S + T), or one such mask per layer type
-                        position_ids=position_ids,
-                        use_cache=True,
-                        return_dict=True,
-                        **{self._cache_argument: self.cache},
-                        **kwargs,
-                    )
-            except (AttributeError, TypeError, KeyError) as error:
-                if isinstance(mask, torch.Tensor):
-                    raise
-                raise NotImplementedError(
-                    f"{type(self.model).__name__} mixes full and windowed attention layers, and its forward does "
-                    f"not take one attention mask per layer type ({type(error).__name__}: {error}); spec_strategy "
-                    "cannot carry the windows of its layers past the first window's length."
-                ) from error
+            output = self._model_forward(input_ids, mask, position_ids, logits_to_keep, states, model_kwargs)
+        self.model_time += clock.now() - start
+        return output
+
+    def _windowed_masks(self, mask: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depths: torch.Tensor,
+                        tail: int):
+        """The attention mask with windowed layers: each windowed layer type's own over its slots, restricted to
+        the window by text positions; one mask per layer type (`full_attention` gets `mask`) when the layout
+        takes one, else the single windowed type's."""
+        num_new = parents.shape[1] - tail
+        node_positions = self.next_position[:, None] + depths
+        masks = {}
+        for group in self.windows:
+            group_mask, _ = ops.tree_attention_mask(parents, valid, group.valid, self.dtype, num_query=num_new)
+            masks[group.layer_type] = self.layout.restrict(
+                group_mask, node_positions[:, tail:], torch.cat([group.positions, node_positions], 1),
+                group.layer_type)
+        if not self.layout.per_type:
+            (mask,) = masks.values()
+            return mask
+        if self.full_layers:
+            masks["full_attention"] = mask
+        return masks
+
+    def _model_forward(self, input_ids, mask, position_ids, logits_to_keep, states, model_kwargs):
+        """The model's own forward over the block (its `hidden_states` the entries `states` asks for)."""
+        kwargs = dict(model_kwargs)
+        if self._accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        capture = None
+        if states is not None:
+            capture = StateCapture.for_model(self.model, states)
+            if capture is None:  # layers not located: every entry is asked for (a tuple, indexed alike)
+                kwargs["output_hidden_states"] = True
+        try:
+            with capture if capture is not None else contextlib.nullcontext():
+                output = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask,  # (B, 1, M, S + T), or one such mask per layer type
+                    position_ids=position_ids,
+                    use_cache=True,
+                    return_dict=True,
+                    **{self._cache_argument: self.cache},
+                    **kwargs,
+                )
+        except (AttributeError, TypeError, KeyError) as error:
+            if isinstance(mask, torch.Tensor):
+                raise
+            raise NotImplementedError(
+                f"{type(self.model).__name__} mixes full and windowed attention layers, and its forward does "
+                f"not take one attention mask per layer type ({type(error).__name__}: {error}); spec_strategy "
+                "cannot carry the windows of its layers past the first window's length."
+            ) from error
         if capture is not None:
             output.hidden_states = capture.states
-        self.model_time += clock.now() - start
         return output
 
     def keep_rows(self, rows: torch.Tensor) -> None:
