@@ -432,6 +432,7 @@ class BlockDrafter(Drafter):
         scores = scores.float()  # (B, L, V')
         vocab_size = self.model.config.vocab_size
         shared = process is None and not sample
+        process = process if process is not None else _unprocessed
         if shared:
             k = min(strategy.max_children, scores.shape[-1])
             top_probs, top_index = torch.softmax(scores, dim=-1).topk(k, dim=-1)  # (B, L, k)
@@ -482,3 +483,7 @@ class BlockDrafter(Drafter):
                                           chosen.grow_valid)
         return builder.build()
 
+
+def _unprocessed(logits, paths, depths, valid):
+    """The drafter's logits as they are (a call without logits processors)."""
+    return logits
