@@ -177,10 +177,10 @@ def cmd_serve(args) -> int:
 
 def cmd_loadtest(args) -> int:
     try:
-        from .serving import loadgen
+        from .serving import http_load
     except ImportError as error:  # pragma: no cover - httpx comes with the serve extra
         raise SystemExit(f"loadtest needs httpx: pip install 'hf_adaptive_spec[serve]' ({error})")
-    return loadgen.run(args)
+    return http_load.run(args)
 
 
 def _bench(args) -> int:
@@ -191,10 +191,10 @@ def _bench(args) -> int:
         from .bench import memory as bench_memory
 
         return bench_memory.run_memory(args)["exit_code"]
-    if args.load_sweep or args.arrivals:  # batched load modes (they refuse --cold)
-        from .bench import load as bench_load
+    if args.load_sweep or args.arrivals:  # the batched modes (they refuse --cold)
+        from .bench import concurrency
 
-        return bench_load.run_load(args)["exit_code"]
+        return concurrency.run(args)["exit_code"]
     if args.cold:
         return cold.run_cold(args, *bench.plan_cold(args))["exit_code"]
     return bench.run(args)["exit_code"]
@@ -272,9 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     load = sub.add_parser("loadtest", help="a bounded load run against a server: latency, TTFT, throughput")
-    from .serving import loadgen as loadgen_module
+    from .serving import http_load
 
-    loadgen_module.add_arguments(load)
+    http_load.add_arguments(load)
     load.set_defaults(func=cmd_loadtest)
 
     served = sub.add_parser("bench-served", help="load tests against the real server: speculation off vs fixed "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hf_adaptive_spec.bench import served as bench_served
-from hf_adaptive_spec.bench.load_batches import LoadMethod
+from hf_adaptive_spec.bench.batch_runs import LoadMethod
 from tiny_server import build_models, build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

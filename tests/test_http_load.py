@@ -1,5 +1,5 @@
-"""The load generator: its arrival processes and statistics, and runs against a real server on 127.0.0.1 (the
-tiny model of `tiny_server`). Counts are checked exactly; no timing threshold."""
+"""The HTTP load generator: its arrival processes (`traffic` with its options), and runs against a real server on
+127.0.0.1 (the tiny model of `tiny_server`). Counts are checked exactly; no timing threshold."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ httpx = pytest.importorskip("httpx")
 
 from tiny_server import build_engine, build_models, build_tokenizer, running_server  # noqa: E402
 
-from hf_adaptive_spec.serving.loadgen import (LoadSpec, arrival_times, load_prompts, markdown_table,  # noqa: E402
-                                              percentile, run_load)
+from hf_adaptive_spec import traffic  # noqa: E402
+from hf_adaptive_spec.serving.http_load import (ARRIVAL_OPTIONS, LoadSpec, arrival_times, load_prompts,  # noqa: E402
+                                                markdown_table, run_load)
 from hf_adaptive_spec.serving.server import create_app  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,11 +50,11 @@ def test_bursty_arrivals():
         arrival_times(3, rate=1.0, arrivals="uniform")
 
 
-def test_percentile_and_table():
-    values = [4.0, 1.0, 3.0, 2.0, 5.0]
-    assert percentile(values, 50) == 3.0 and percentile(values, 0) == 1.0 and percentile(values, 100) == 5.0
-    assert percentile(values, 90) == pytest.approx(4.6) and percentile([], 50) is None
-    assert percentile([7.0], 99) == 7.0
+def test_arrivals_are_the_shared_generators_with_fixed_bursts_from_time_zero():
+    assert ARRIVAL_OPTIONS == traffic.ArrivalOptions(burst_sizes="fixed", first_arrival="at_zero", seeding="seed")
+    for kind in traffic.PROCESSES:
+        expected = traffic.arrival_times(30, 2.0, kind, 5, ARRIVAL_OPTIONS, burst_size=3, burst_gap=0.02)
+        assert arrival_times(30, rate=2.0, arrivals=kind, seed=5, burst_size=3, burst_gap=0.02) == expected
 
 
 def test_spec_validation_and_prompt_files(tmp_path):
@@ -103,6 +104,7 @@ def test_run_against_the_server(server_url, arrivals):
         out = reference.generate(**inputs, max_new_tokens=8, do_sample=False)
         assert record["text"] == tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert [r["scheduled_s"] for r in records] == arrival_times(6, 20.0, arrivals, 1, 4, 0.0)
+    assert report["latency_s"] == traffic.summary([r["latency_s"] for r in records], (50, 90, 99))
     for key in ("mean", "p50", "p90", "p99"):
         assert report["latency_s"][key] > 0
     for key in ("mean", "p50", "p90"):

@@ -1,63 +1,33 @@
-"""Timed arrivals: a trace of request arrival times (Poisson or bursty), served by a batching scheduler on a
-simulated clock whose batches run for real (`replay`, `run_arrivals`), and its latency / throughput
-summary."""
+"""Timed arrivals: a trace of request arrival times (Poisson or bursty, `hf_adaptive_spec.traffic`), served by a
+batching scheduler on a simulated clock whose batches run for real (`replay`, `run_arrivals`), and its latency /
+throughput summary."""
 
 from __future__ import annotations
 
 import collections
-import math
-import random
 from typing import Callable, Optional, Sequence
 
-from .load_batches import (WARMUP_TOKENS, LoadMethod, decode_batch, encoder, eos_ids, left_pad, mismatched_rows,
-                           pad_id, prompt_id, show, step, structure_stats)
+from .. import traffic
+
+from .batch_runs import (WARMUP_TOKENS, LoadMethod, decode_batch, encoder, eos_ids, left_pad, mismatched_rows,
+                         pad_id, prompt_id, show, step, structure_stats)
 from .report import describe
 
-__all__ = ["ARRIVAL_KINDS", "BURST_SIZE", "P90", "make_arrivals", "pool_stats", "replay", "run_arrivals",
+__all__ = ["ARRIVAL_KINDS", "ARRIVAL_OPTIONS", "make_arrivals", "pool_stats", "replay", "run_arrivals",
            "summarize_replay"]
 
 
-ARRIVAL_KINDS = ("poisson", "bursty")
-BURST_SIZE = 4  # mean requests per burst of a bursty trace
-P90 = 0.9
+ARRIVAL_KINDS = traffic.PROCESSES
+# the replay's traces: bursts of random size (mean `burst_size`) at one instant, the first arrival after one gap,
+# the numbers from `random.Random(f"{kind}|{seed}")`
+ARRIVAL_OPTIONS = traffic.ArrivalOptions(burst_sizes="random", first_arrival="after_gap", seeding="process_and_seed")
 
 
-def make_arrivals(kind: str, rate: float, requests: int, seed: int = 0, burst_size: int = BURST_SIZE) -> list:
-    """Arrival times (seconds, ascending) of `requests` requests at a mean rate of `rate` requests/s.
-
-    Args:
-        kind: ``"poisson"``: exponential gaps of mean 1/rate between requests. ``"bursty"``: bursts of requests
-            that arrive at the same instant, with sizes uniform in 1..2*burst_size-1 (mean `burst_size`) and
-            exponential gaps of mean burst_size/rate between bursts, so the mean rate is `rate` too; the last
-            burst is cut to `requests`.
-        rate: mean arrival rate, requests per second (> 0).
-        requests: number of requests (>= 1).
-        seed: the trace is a function of (kind, rate, requests, seed, burst_size) only.
-        burst_size: mean requests per burst (bursty).
-
-    Returns:
-        `list` of `requests` floats; the first arrival is after one gap from time 0.
-    """
-    if kind not in ARRIVAL_KINDS:
-        raise ValueError(f"Unknown arrival kind {kind!r}; valid: {', '.join(ARRIVAL_KINDS)}.")
-    if not rate > 0:
-        raise ValueError(f"rate must be > 0 requests/s, got {rate!r}.")
-    if requests < 1:
-        raise ValueError(f"requests must be >= 1, got {requests!r}.")
-    if burst_size < 1:
-        raise ValueError(f"burst_size must be >= 1, got {burst_size!r}.")
-    rng = random.Random(f"{kind}|{seed}")
-    times, clock = [], 0.0
-    if kind == "poisson":
-        for _ in range(requests):
-            clock += rng.expovariate(rate)
-            times.append(clock)
-        return times
-    while len(times) < requests:
-        clock += rng.expovariate(rate / burst_size)
-        size = rng.randint(1, 2 * burst_size - 1)
-        times.extend([clock] * min(size, requests - len(times)))
-    return times
+def make_arrivals(kind: str, rate: float, requests: int, seed: int = 0, burst_size: int = traffic.BURST_SIZE) -> list:
+    """Arrival times (seconds, ascending) of `requests` requests at a mean rate of `rate` requests/s:
+    `traffic.arrival_times` of process `kind` with `ARRIVAL_OPTIONS` (``bursty``: bursts of sizes uniform in
+    1..2*burst_size-1 arriving at one instant; the first arrival after one gap from time 0)."""
+    return traffic.arrival_times(requests, rate, kind, seed, ARRIVAL_OPTIONS, burst_size)
 
 
 def replay(arrivals: Sequence[float], run_batch: Callable[[list], float], max_batch: int) -> dict:
@@ -110,24 +80,19 @@ def replay(arrivals: Sequence[float], run_batch: Callable[[list], float], max_ba
             "makespan": max(finish) - min(arrivals)}
 
 
-def _nearest_rank(values: Sequence[float], fraction: float) -> float:
-    """The `fraction` quantile by nearest rank: the ceil(fraction * n)-th smallest value."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
-
-
 def summarize_replay(replayed: dict, tokens: Optional[Sequence[int]] = None) -> dict:
-    """Latency and throughput of a `replay`: mean, p90 (nearest rank) and max latency, makespan, busy seconds,
-    batches and their mean size, requests/s and, given new `tokens` per request, tokens and tokens/s (both over
-    the makespan: first arrival to last finish)."""
+    """Latency and throughput of a `replay`: mean, p90 (`traffic.percentile`: linear interpolation) and max
+    latency, makespan, busy seconds, batches and their mean size, requests/s and, given new `tokens` per request,
+    tokens and tokens/s (both over the makespan: first arrival to last finish)."""
     latency, makespan = replayed["latency"], replayed["makespan"]
     batches = replayed["batches"]
+    stats = traffic.summary(latency, (90,))
     summary = {
         "requests": len(latency),
         "batches": len(batches),
         "mean_batch_size": len(latency) / len(batches) if batches else None,
-        "mean_latency_s": sum(latency) / len(latency) if latency else None,
-        "p90_latency_s": _nearest_rank(latency, P90) if latency else None,
+        "mean_latency_s": stats["mean"],
+        "p90_latency_s": stats["p90"],
         "max_latency_s": max(latency) if latency else None,
         "makespan_s": makespan,
         "busy_s": sum(b["seconds"] for b in batches),

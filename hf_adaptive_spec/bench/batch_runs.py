@@ -1,4 +1,4 @@
-"""The load modes' methods (plain, fixed chains and trees, the adaptive rules) and their batched runs: prompts
+"""The batched modes' methods (plain, fixed chains and trees, the adaptive rules) and their batched runs: prompts
 encoded once and padded on the left, one timed greedy `generate` per batch, the structure it verified."""
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class LoadMethod:
 def load_methods(laspec: bool, adaptive: Sequence[str], spec_configs: Optional[dict] = None,
                  block_size: Optional[int] = None, chain_lengths: Sequence[int] = CHAIN_LENGTHS,
                  tree_sizes: Sequence[int] = TREE_SIZES, plain_mode: bool = True) -> tuple:
-    """The methods of the load modes, in their base order: plain, the plain mode, the fixed chains and trees, the
-    adaptive rules.
+    """The methods of the batched modes, in their base order: plain, the plain mode, the fixed chains and trees,
+    the adaptive rules.
 
     Args:
         laspec: True for a LaSpec drafter (fixed structures through `laspec`), False for an independent one

@@ -1,4 +1,5 @@
-"""Speculative decoding under load: a concurrency sweep, and a replay of timed request arrivals.
+"""The bench's batched modes, speculative decoding at several concurrencies: a concurrency sweep
+(`--load-sweep`), and a replay of timed request arrivals (`--arrivals`).
 
     hf-adaptive-spec bench --target smollm2-135m-instruct --drafter laspec-smollm2-135m-instruct \\
         --load-sweep 1 2 4 8 16 32 --max-new-tokens 64 --out bench_load/
@@ -43,12 +44,13 @@ ever slows a run down, so the fastest of R is the least disturbed. Per level and
   `max_new_tokens`); for the adaptive rule they are what the rule chose at that load.
 
 Arrivals (`make_arrivals`, `replay`, `run_arrivals`): a trace of `--requests` arrival times at mean rate
-`--rate` (requests/s; `--seed`), served by a batching scheduler on a simulated clock: when the server is free,
-every request that has arrived and waits (up to `--max-batch`, first come first served) forms the next batch,
-which runs to completion; its duration is the measured seconds of actually running `generate` on that batch.
-Latency of a request: its batch's finish time - its arrival time; throughput: new tokens / (last finish -
-first arrival). Request i asks prompt i (cycled). Methods: plain, the linear verification (``chain4``, or the
-longest chain the drafter has) and the adaptive rule(s), replayed one after another, plain first.
+`--rate` (requests/s; `--seed`; `hf_adaptive_spec.traffic` with the replay's `arrivals.ARRIVAL_OPTIONS`), served
+by a batching scheduler on a simulated clock: when the server is free, every request that has arrived and waits
+(up to `--max-batch`, first come first served) forms the next batch, which runs to completion; its duration is
+the measured seconds of actually running `generate` on that batch. Latency of a request: its batch's finish time
+- its arrival time (mean, p90 by linear interpolation, max); throughput: new tokens / (last finish - first
+arrival). Request i asks prompt i (cycled). Methods: plain, the linear verification (``chain4``, or the longest
+chain the drafter has) and the adaptive rule(s), replayed one after another, plain first.
 
 Before timing, `hf_adaptive_spec.prepare` measures the verifier's cost curve at every batch size that will run
 (stored on disk: measured once per machine), so that the cost rule prices trees at each load as a prepared
@@ -61,19 +63,21 @@ structure size against load) and ``load_throughput.png`` (throughput against loa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
+from .. import traffic
 from ..drafters.quantize import quantize_drafter
-from .arrivals import ARRIVAL_KINDS, BURST_SIZE, make_arrivals, replay, run_arrivals, summarize_replay
-from .load_batches import (CHAIN_LENGTHS, TREE_SIZES, WARMUP_TOKENS, BatchRun, LoadMethod, arrival_methods,
-                           decode_batch, left_pad, load_methods, pad_id, row_tokens, structure_stats)
-from .load_options import check_options, fixed_structures
-from .load_report import PLOT_FILES, arrivals_markdown, sweep_markdown, write_load_plots
-from .load_sweep import best_fixed, run_load_sweep
+from .arrivals import ARRIVAL_KINDS, ARRIVAL_OPTIONS, make_arrivals, replay, run_arrivals, summarize_replay
+from .batch_runs import (CHAIN_LENGTHS, TREE_SIZES, WARMUP_TOKENS, BatchRun, LoadMethod, arrival_methods,
+                         decode_batch, left_pad, load_methods, pad_id, row_tokens, structure_stats)
+from .concurrency_options import check_options, fixed_structures
+from .concurrency_report import PLOT_FILES, arrivals_markdown, sweep_markdown, write_load_plots
+from .concurrency_sweep import best_fixed, run_load_sweep
 from .report import describe, environment, jsonable, now
 from .inputs import load_model
 from .run import command_line
@@ -81,6 +85,7 @@ from .vision import text_tokenizer
 
 __all__ = [
     "ARRIVAL_KINDS",
+    "ARRIVAL_OPTIONS",
     "CHAIN_LENGTHS",
     "PLOT_FILES",
     "TREE_SIZES",
@@ -96,7 +101,7 @@ __all__ = [
     "replay",
     "row_tokens",
     "run_arrivals",
-    "run_load",
+    "run",
     "run_load_sweep",
     "structure_stats",
     "summarize_replay",
@@ -139,7 +144,7 @@ def _prepare(target, drafter, methods: Sequence[LoadMethod], batch_sizes: Sequen
     return done
 
 
-def run_load(args, model_loader=None, prompt_loader=None) -> dict:
+def run(args, model_loader=None, prompt_loader=None) -> dict:
     """Run `--load-sweep` and/or `--arrivals` as `args` (from `bench.add_arguments`) describe; write the outputs
     to `args.out`.
 
@@ -210,7 +215,9 @@ def run_load(args, model_loader=None, prompt_loader=None) -> dict:
         results = {"mode": "arrivals", **header, "environment": environment(device, started),
                    "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
                                 "arrivals": args.arrivals, "rate": args.rate, "requests": args.requests,
-                                "max_batch": args.max_batch, "seed": args.seed, "burst_size": BURST_SIZE,
+                                "max_batch": args.max_batch, "seed": args.seed, "burst_size": traffic.BURST_SIZE,
+                                "arrival_options": dataclasses.asdict(ARRIVAL_OPTIONS),
+                                "percentile": traffic.PERCENTILE_METHOD,
                                 "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit},
                    "arrival_times": arrivals,
                    "method_settings": {m.name: m.to_dict() for m in chosen}, **replayed}

@@ -1,4 +1,4 @@
-"""The load modes' options, checked before anything loads: the load levels, the fixed structures
+"""The batched modes' options, checked before anything loads: the load levels, the fixed structures
 (`--fixed`), the adaptive rules (`--strategies`) and their `--spec-config`, the arrivals' trace."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..loading import is_laspec
-from .load_batches import CHAIN_LENGTHS, TREE_SIZES, load_methods
+from .batch_runs import CHAIN_LENGTHS, TREE_SIZES, load_methods
 from .inputs import bench_prompts, default_prompt_loader, resolve_device
 from .options import check_run_options
 from .vision import SCENES

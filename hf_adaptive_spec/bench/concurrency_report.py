@@ -1,11 +1,11 @@
-"""The load modes' result files: the Markdown of the sweep and of the arrivals, and the sweep's plots."""
+"""The batched modes' result files: the Markdown of the sweep and of the arrivals, and the sweep's plots."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .load_batches import WARMUP_TOKENS
+from .batch_runs import WARMUP_TOKENS
 from .report import figure, fmt, save_figures
 from .stats import PLAIN, PLAIN_MODE
 
@@ -127,10 +127,11 @@ def arrivals_markdown(results: dict) -> str:
                  + (f", mean burst {s['burst_size']}" if s["arrivals"] == "bursty" else "")
                  + f"), batches of at most {s['max_batch']}; methods replayed one after another, plain first")
     lines += _method_lines(results["method_settings"])
+    # a results file without the key was summarized by nearest rank
+    rule = "linear interpolation" if s.get("percentile") == "linear" else "nearest rank"
     lines += ["", "A free server batches every request that has arrived (first come first served, up to the maximum) "
               "and runs the batch to completion; latency: the batch's finish - the request's arrival (simulated "
-              "clock, measured batch times); p90 by nearest rank; throughput over first arrival to last finish.",
-              ""]
+              f"clock, measured batch times); p90 by {rule}; throughput over first arrival to last finish.", ""]
     lines += _failure_lines(results["failures"])
     return "\n".join(lines + arrivals_table(results)) + "\n"
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import collections
 from typing import Optional, Sequence
 
-from .load_batches import (WARMUP_TOKENS, BatchRun, LoadMethod, decode_batch, encoder, eos_ids, left_pad,
-                           mismatched_rows, pad_id, prompt_id, show, step, structure_stats)
+from .batch_runs import (WARMUP_TOKENS, BatchRun, LoadMethod, decode_batch, encoder, eos_ids, left_pad,
+                         mismatched_rows, pad_id, prompt_id, show, step, structure_stats)
 from .report import describe
 from .stats import PLAIN, PLAIN_MODE
 

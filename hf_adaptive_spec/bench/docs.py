@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 from . import vision as bench_vision
-from .load_report import arrivals_table, sweep_tables
+from .concurrency_report import arrivals_table, sweep_tables
 from .report import category_table, method_table
 
 __all__ = ["refresh", "render_table"]

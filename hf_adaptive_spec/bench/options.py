@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from .. import traffic
 from ..scenes.vlm import SCENES_VLM
 from . import memory as bench_memory
 from . import vision as bench_vision
@@ -115,7 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     runs.add_argument("--cold-keep-kernel", action="store_true",
                       help="with --cold: keep the machine's compiled CPU kernel (only the cost curve is fresh)")
 
-    load = parser.add_argument_group("load (hf_adaptive_spec.bench.load: batched prompts instead of one at a time)")
+    load = parser.add_argument_group("load (hf_adaptive_spec.bench.concurrency: batched prompts instead of one at a "
+                                     "time)")
     load.add_argument("--load-sweep", nargs="+", type=int, default=None, metavar="B",
                       help="concurrency sweep: at each level B the first B prompts decode as one left-padded batch, "
                       "plain vs fixed chains and trees vs the adaptive rules of --strategies (default laspec and "
@@ -125,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     load.add_argument("--fixed", nargs="+", default=None, metavar="NAME",
                       help="the fixed structures to run: chainK (K draft tokens in a line) and treeN (N draft "
                       "nodes), e.g. chain1 chain2 tree8 (default chain1 chain2 chain4 chain8 tree8 tree16)")
-    load.add_argument("--arrivals", choices=("poisson", "bursty"), default=None,
+    load.add_argument("--arrivals", choices=traffic.PROCESSES, default=None,
                       help="replay timed request arrivals through a batching scheduler (plain vs a chain vs the "
                       "adaptive rules): mean and p90 latency, throughput")
     load.add_argument("--rate", type=float, default=1.0, help="with --arrivals: mean requests per second (default 1)")

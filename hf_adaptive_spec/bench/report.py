@@ -1,6 +1,6 @@
 """The benchmark's reports: the environment description, JSON helpers, the Markdown tables of ``results.md``,
 the printed summary and the PNG plots (matplotlib on an Agg canvas; `save_figures` is shared with
-`hf_adaptive_spec.bench.load`).
+`hf_adaptive_spec.bench.concurrency_report`).
 """
 
 from __future__ import annotations

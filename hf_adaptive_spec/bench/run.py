@@ -140,7 +140,7 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
         raise ValueError("--cold runs through `hf-adaptive-spec bench --cold` (hf_adaptive_spec.bench.cold.run_cold).")
     if getattr(args, "load_sweep", None) or getattr(args, "arrivals", None):
         raise ValueError("--load-sweep / --arrivals run through `hf-adaptive-spec bench` "
-                         "(hf_adaptive_spec.bench.load.run_load).")
+                         "(hf_adaptive_spec.bench.concurrency.run).")
     device, laspec, prompts = _prelude(args, prompt_loader)
     model_loader = model_loader or load_model
 

@@ -4,7 +4,7 @@ by the bounded load generator, one server per method and arrival rate.
     hf-adaptive-spec bench-served --target smollm2-135m-instruct --drafter laspec-smollm2-135m-instruct \\
         --arrivals poisson bursty --rates 0.25 0.5 1 2 4 --requests 24 --max-new-tokens 64 --out served/
 
-Methods (`load_batches.load_methods`, the same as the load sweep's), each served by its own engine:
+Methods (`batch_runs.load_methods`, the same as the load sweep's), each served by its own engine:
 
 - ``off``: speculation off, strategy `plain`: plain continuous batching through the library's own forward (the
   baseline that shows what speculation adds under load);
@@ -12,7 +12,7 @@ Methods (`load_batches.load_methods`, the same as the load sweep's), each served
 - the adaptive rule(s) (`--strategies`, default ``laspec`` with a LaSpec drafter, ``sage`` otherwise): the cost rule
   on, choosing per row and round from the batch the engine runs now.
 
-For each arrival process and rate, every method serves the same trace (`serving.loadgen.arrival_times`, `--seed`)
+For each arrival process and rate, every method serves the same trace (`serving.http_load.arrival_times`, `--seed`)
 of `--requests` chat requests (greedy, `--max-new-tokens`, prompts cycled), in an order rotated per rate so that
 machine drift spreads over the methods; each server first answers `--warmup` untimed requests. `--repeats N`
 serves each trace N times in passes, the order rotated again per pass (servers run one after another drift by a
@@ -40,15 +40,16 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .. import traffic
 from ..cost import SpecCalibration
-from .load_batches import LoadMethod, load_methods
+from .batch_runs import LoadMethod, load_methods
 
 OFF = "off"
 
 
 def served_methods(laspec: bool, adaptive: Sequence[str], chain_lengths: Sequence[int], tree_sizes: Sequence[int],
                    block_size: Optional[int] = None) -> list:
-    """Speculation off, the fixed structures and the adaptive rules (`load_batches.load_methods`), as engines run
+    """Speculation off, the fixed structures and the adaptive rules (`batch_runs.load_methods`), as engines run
     them: the load sweep's ``plain`` (stock generate) becomes ``off`` (strategy `plain` in the engine)."""
     methods, _ = load_methods(laspec, adaptive, block_size=block_size, chain_lengths=chain_lengths,
                               tree_sizes=tree_sizes, plain_mode=False)  # `off` is the plain mode, served
@@ -131,7 +132,7 @@ def _serve_pass(target, tokenizer, drafter, model_name, methods, kind, rate, rot
                 max_new_tokens, max_batch, max_queue, seed, prompts, warmup, time_limit, progress, runs, failures):
     """One pass: every method serves the trace of `kind` at `rate` (order rotated by `rotation`); appends the
     runs and failures."""
-    from ..serving.loadgen import LoadSpec, run_load
+    from ..serving.http_load import LoadSpec, run_load
 
     shift = rotation % len(methods)
     order = list(methods[shift:]) + list(methods[:shift])
@@ -300,7 +301,7 @@ def add_arguments(parser) -> None:
                         help="adaptive rules (default: laspec with a LaSpec drafter, else sage)")
     parser.add_argument("--fixed", nargs="*", default=["chain2", "chain4", "tree8"],
                         help="fixed structures chain{k} / tree{n} (default: chain2 chain4 tree8)")
-    parser.add_argument("--arrivals", nargs="+", choices=("poisson", "bursty"), default=["poisson"])
+    parser.add_argument("--arrivals", nargs="+", choices=traffic.PROCESSES, default=["poisson"])
     parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 1.0, 2.0, 4.0])
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -326,8 +327,8 @@ def run(args) -> int:
     import torch
 
     from ..loading import is_laspec, load_drafter, load_model
-    from ..serving.loadgen import DEFAULT_PROMPTS, load_prompts
-    from .load_options import fixed_structures
+    from ..serving.http_load import DEFAULT_PROMPTS, load_prompts
+    from .concurrency_options import fixed_structures
     from .report import environment
 
     if (args.requests < 1 or args.max_batch < 1 or args.max_new_tokens < 1 or args.repeats < 1

@@ -6,7 +6,8 @@ first token as well as its end-to-end latency. The run stops by itself: after th
 not yet sent as ``not_sent``). Only the given URL is contacted (``POST /v1/chat/completions``, and
 ``GET /health`` before and after for the server's counters); proxy settings from the environment are ignored.
 
-Arrivals (the first request at time 0):
+Arrivals (`hf_adaptive_spec.traffic`, drawn with `ARRIVAL_OPTIONS`: bursts of a fixed size, the first request
+at time 0, the numbers from ``random.Random(seed)``):
 - ``poisson``: exponential gaps of mean ``1 / rate``.
 - ``bursty``: bursts of `burst_size` requests; burst starts have exponential gaps of mean
   ``burst_size / rate`` (the same mean rate), and requests within a burst are `burst_gap` seconds apart
@@ -14,10 +15,11 @@ Arrivals (the first request at time 0):
 
 The report (`run_load`) is a JSON-ready dict: the settings, request counts (``total = ok + failed + not_sent``,
 failures by HTTP status or ``timeout`` / ``connection_error`` / ``stream_error``), latency (mean, p50, p90,
-p99) and time to first token (mean, p50, p90) in seconds over the requests answered in full, throughput
-(completion tokens per second and answered requests per second over the run's wall time), the server's
-``/health`` before and after and the change of every counter in it (e.g. the engine's rounds and the
-structures it verified), and one record per request (its times, status, token counts and answer text).
+p99) and time to first token (mean, p50, p90) in seconds over the requests answered in full (`traffic.summary`;
+percentiles by linear interpolation), throughput (completion tokens per second and answered requests per second
+over the run's wall time), the server's ``/health`` before and after and the change of every counter in it
+(e.g. the engine's rounds and the structures it verified), and one record per request (its times, status, token
+counts and answer text).
 `markdown_table` puts reports side by side.
 """
 
@@ -25,14 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["DEFAULT_PROMPTS", "LoadSpec", "arrival_times", "load_prompts", "markdown_table", "percentile",
+from .. import traffic
+
+__all__ = ["ARRIVAL_OPTIONS", "DEFAULT_PROMPTS", "LoadSpec", "arrival_times", "load_prompts", "markdown_table",
            "run_load"]
 
 DEFAULT_PROMPTS = (
@@ -54,7 +57,8 @@ DEFAULT_PROMPTS = (
     "Name three differences between TCP and UDP.",
 )
 
-ARRIVALS = ("poisson", "bursty")
+# the served load tests' traces: bursts of `burst_size` at once, the first request at time 0, `random.Random(seed)`
+ARRIVAL_OPTIONS = traffic.ArrivalOptions(burst_sizes="fixed", first_arrival="at_zero", seeding="seed")
 
 
 @dataclass
@@ -68,7 +72,7 @@ class LoadSpec:
     seed: int = 0
     max_tokens: int = 64
     prompts: Sequence[str] = DEFAULT_PROMPTS
-    burst_size: int = 4
+    burst_size: int = traffic.BURST_SIZE
     burst_gap: float = 0.0
     time_limit: float = 600.0  # seconds for the whole run
     temperature: float = 0.0
@@ -78,14 +82,7 @@ class LoadSpec:
     def validate(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
-        if not (self.rate > 0 and math.isfinite(self.rate)):
-            raise ValueError(f"rate must be a positive number of requests per second, got {self.rate}")
-        if self.arrivals not in ARRIVALS:
-            raise ValueError(f"arrivals must be one of {ARRIVALS}, got {self.arrivals!r}")
-        if self.requests < 1:
-            raise ValueError(f"requests must be at least 1, got {self.requests}")
-        if self.burst_size < 1 or self.burst_gap < 0:
-            raise ValueError("burst_size must be >= 1 and burst_gap >= 0")
+        traffic.check_arrivals(self.requests, self.rate, self.arrivals, self.burst_size, self.burst_gap)
         if not self.time_limit > 0:
             raise ValueError(f"time_limit must be positive, got {self.time_limit}")
         if self.max_tokens < 1:
@@ -94,42 +91,11 @@ class LoadSpec:
             raise ValueError("prompts must not be empty")
 
 
-def arrival_times(count: int, rate: float, arrivals: str = "poisson", seed: int = 0, burst_size: int = 4,
-                  burst_gap: float = 0.0) -> list:
-    """`count` send times in seconds from the start (sorted, the first at 0), from `random.Random(seed)`."""
-    rng = random.Random(seed)
-    if arrivals == "poisson":
-        times, now = [], 0.0
-        for i in range(count):
-            if i:
-                now += rng.expovariate(rate)
-            times.append(now)
-        return times
-    if arrivals == "bursty":
-        times, start = [], 0.0
-        for i in range(count):
-            if i and i % burst_size == 0:
-                start += rng.expovariate(rate / burst_size)
-            times.append(start + (i % burst_size) * burst_gap)
-        return sorted(times)
-    raise ValueError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
-
-
-def percentile(values: Sequence[float], q: float) -> Optional[float]:
-    """The q-th percentile (0-100) by linear interpolation between order statistics; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def _summary(values: Sequence[float], quantiles: Sequence[int]) -> dict:
-    out = {"mean": sum(values) / len(values) if values else None}
-    out.update({f"p{q}": percentile(values, q) for q in quantiles})
-    return out
+def arrival_times(count: int, rate: float, arrivals: str = "poisson", seed: int = 0,
+                  burst_size: int = traffic.BURST_SIZE, burst_gap: float = 0.0) -> list:
+    """`count` send times in seconds from the start (ascending, the first at 0): `traffic.arrival_times` with
+    `ARRIVAL_OPTIONS`."""
+    return traffic.arrival_times(count, rate, arrivals, seed, ARRIVAL_OPTIONS, burst_size, burst_gap)
 
 
 def load_prompts(path) -> list:
@@ -336,8 +302,8 @@ def _report(spec: LoadSpec, model, records: list, wall: float, before, after) ->
                      "not_sent": sum(r.status == "not_sent" for r in records), "errors": errors},
         "duration_s": duration,
         "wall_s": wall,
-        "latency_s": _summary([r.latency_s for r in answered], (50, 90, 99)),
-        "ttft_s": _summary([r.ttft_s for r in answered], (50, 90)),
+        "latency_s": traffic.summary([r.latency_s for r in answered], (50, 90, 99)),
+        "ttft_s": traffic.summary([r.ttft_s for r in answered], (50, 90)),
         "completion_tokens": completion,
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in answered),
         "throughput_tok_s": completion / duration if duration > 0 else None,
@@ -385,13 +351,13 @@ def markdown_table(reports: Sequence[dict]) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     parser.add_argument("--rate", type=float, default=2.0, help="mean requests per second")
-    parser.add_argument("--arrivals", default="poisson", choices=ARRIVALS)
+    parser.add_argument("--arrivals", default="poisson", choices=traffic.PROCESSES)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default=None,
                         help="a file of prompts (JSON array, JSON lines or one per line); default: built-in list")
-    parser.add_argument("--burst-size", type=int, default=4, help="bursty: requests per burst")
+    parser.add_argument("--burst-size", type=int, default=traffic.BURST_SIZE, help="bursty: requests per burst")
     parser.add_argument("--burst-gap", type=float, default=0.0, help="bursty: seconds between requests of a burst")
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole run")
     parser.add_argument("--temperature", type=float, default=0.0)
