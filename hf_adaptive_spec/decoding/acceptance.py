@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..drafters.tree import DraftTree
+from .randomness import RowRandom
 
 
 def children_table(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ def _reject_update(p: torch.Tensor, q: torch.Tensor, token: torch.Tensor) -> tup
 
 
 def sample_accept(
-    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None = None
+    tree: DraftTree, target_probs: torch.Tensor, random: RowRandom | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recursive rejection sampling without replacement over a batch of trees.
 
@@ -77,16 +78,18 @@ def sample_accept(
             children were drawn from.
         target_probs (`torch.FloatTensor` of shape `(B, N, V)`): the target's processed distribution after
             each node.
-        generator (`torch.Generator`, *optional*): source of randomness (default: torch's global one).
+        random (`RowRandom`, *optional*): where the draws come from (default: torch's global generator).
 
     Returns:
         `(path_index, accept_length, bonus)` as `ops.greedy_accept` returns them.
     """
     batch, num_nodes, _ = target_probs.shape
     device = target_probs.device
+    random = random if random is not None else RowRandom()
     if tree.num_levels == 0:  # the pending token alone (a plain step): the next token is drawn from p
         zeros = torch.zeros(batch, dtype=torch.long, device=device)
-        return zeros[:, None], zeros, torch.multinomial(target_probs[:, 0], 1, generator=generator).squeeze(1)
+        everyone = torch.ones(batch, dtype=torch.bool, device=device)
+        return zeros[:, None], zeros, random.categorical(target_probs[:, 0], everyone)
     children = children_table(tree.parents, tree.valid)  # (B, N, C)
     rows = torch.arange(batch, device=device)
     current = torch.zeros(batch, dtype=torch.long, device=device)
@@ -105,7 +108,7 @@ def sample_accept(
             if not bool(trying.any()):
                 break
             token = tree.tokens[rows, child.clamp_min(0)]
-            draw = torch.rand(batch, device=device, generator=generator)
+            draw = random.uniform(trying)
             accepted = trying & (draw < _accept_probability(p, q, token))
             rejected = trying & ~accepted
             new_p, new_q = _reject_update(p, q, token)
@@ -116,7 +119,7 @@ def sample_accept(
         # rows that found no accepted child end here: bonus from the (residual) p
         ending = walking & ~moved
         if bool(ending.any()):
-            drawn = torch.multinomial(p, 1, generator=generator).squeeze(1)
+            drawn = random.categorical(p, ending)
             bonus = torch.where(ending, drawn, bonus)
         walking &= moved
         accept_length += walking.long()

@@ -42,17 +42,16 @@ import inspect
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from ..cost import SpecCalibration
-from .loop import speculative_decode
-from ..runtime import resolve_runtime
-from ..strategies import get_strategy_class, resolve_config
+from .loop import Decoding, speculative_decode
+from .request import Handoff, SpecRequest, resolve_request
+from ..strategies import get_strategy_class
 
 _ORIGINALS: dict[str, object] = {}
-# this call's raw inputs (generate drops multimodal ones before decoding) and whether to drop spec_config
-_REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_adaptive_spec_request", default=None)
+# The resolved request of the speculative `generate` call running in this context, from the `generate` wrapper to
+# the `_assisted_decoding` hook (generate's signature has no place for it); None inside any other call.
+_REQUEST: contextvars.ContextVar[SpecRequest | None] = contextvars.ContextVar("hf_adaptive_spec_request",
+                                                                              default=None)
 _CONFIG_FIELDS = ("spec_strategy", "spec_config", "spec_runtime")
-# set by `prefilled_run`: the next speculative generate call on this thread returns its prefilled run
-_HANDOFF: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_adaptive_spec_handoff", default=False)
 
 
 def _call_arguments(args, kwargs) -> dict | None:
@@ -81,29 +80,31 @@ def _setting(model, call: dict, name: str):
 
 
 def _spec_config(model, call: dict, strategy: str):
-    """The `spec_config` generate will use, and whether it must be dropped: one inherited from a generation config
-    that names another strategy belongs to that strategy."""
+    """The `spec_config` this call's strategy uses: one inherited from a generation config that names another
+    strategy belongs to that strategy (None: the called strategy's defaults)."""
     value, source = _setting(model, call, "spec_config")
     owner = {"generation_config": call.get("generation_config"), "model": getattr(model, "generation_config", None)}
     owner_strategy = getattr(owner.get(source), "spec_strategy", None)
     if source in owner and owner_strategy is not None and owner_strategy != strategy:
-        return None, True
-    return value, False
+        return None
+    return value
 
 
-def _vocab_size(model) -> int | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "vocab_size", None)
+def _run_generate(model, request: SpecRequest | None, args, kwargs):
+    """Stock `generate`, with `request` the one the decoding hook reads (None: this call is not speculative, and
+    an assisted call nested in it runs stock)."""
+    token = _REQUEST.set(request)
+    try:
+        return _ORIGINALS["generate"](model, *args, **kwargs)
+    finally:
+        _REQUEST.reset(token)
 
 
 def _generate(self, *args, **kwargs):
     calibration = kwargs.pop("spec_calibration", None)
-    if calibration is not None and not isinstance(calibration, SpecCalibration):
-        raise ValueError(f"spec_calibration must be a hf_adaptive_spec.SpecCalibration, got "
-                         f"{type(calibration).__name__}.")
     call = _call_arguments(args, kwargs)
     if call is None:
-        return _ORIGINALS["generate"](self, *args, **kwargs)
+        return _run_generate(self, None, args, kwargs)
     strategy, source = _setting(self, call, "spec_strategy")
     drafts_nothing = strategy is not None and get_strategy_class(strategy).drafts_nothing
     # no strategy, or one saved in the model's config while this call gives no drafter: plain generate
@@ -113,49 +114,34 @@ def _generate(self, *args, **kwargs):
                              "assistant_model=....")
         if call.get("spec_runtime") is not None and strategy is None:
             raise ValueError("spec_runtime sets how speculative rounds run: pass spec_strategy=... too.")
-        return _ORIGINALS["generate"](self, *args, **kwargs)
-    if drafts_nothing:  # `plain`: the rounds run on the target alone; generate reaches them through the hook
-        if call.get("assistant_model") is not None:
-            raise ValueError(f"spec_strategy={strategy!r} drafts nothing: leave assistant_model out.")
-        kwargs["assistant_model"] = self
-    elif call.get("assistant_model") is None:
-        raise ValueError(f"spec_strategy={strategy!r} needs a drafter: pass assistant_model=... to generate().")
+        return _run_generate(self, None, args, kwargs)
     num_beams, _ = _setting(self, call, "num_beams")
     if num_beams is not None and num_beams > 1:
         raise ValueError("spec_strategy does not support beam search (num_beams > 1).")
     if call.get("custom_generate") is not None:
         raise ValueError("spec_strategy cannot be combined with custom_generate.")
-    spec_config, dropped = _spec_config(self, call, strategy)
-    vocab_size = _vocab_size(self)
-    resolved = resolve_config(strategy, spec_config, self.device)  # bad settings fail before any decoding
-    if vocab_size is not None:
-        resolved.check_vocab(vocab_size)
-    resolve_runtime(_setting(self, call, "spec_runtime")[0])  # checked once, here; the loop reads the config
-    handoff = _HANDOFF.get()
-    handoff_token = _HANDOFF.set(False)  # a nested generate call runs as usual
-    token = _REQUEST.set({"raw_inputs": dict(kwargs), "drop_spec_config": dropped, "calibration": calibration,
-                          "handoff": handoff, "config": (resolved, self.device.type)})
-    try:
-        return _ORIGINALS["generate"](self, *args, **kwargs)
-    finally:
-        _REQUEST.reset(token)
-        _HANDOFF.reset(handoff_token)
+    request = resolve_request(self, strategy, spec_config=_spec_config(self, call, strategy),
+                              spec_runtime=_setting(self, call, "spec_runtime")[0], calibration=calibration,
+                              assistant_model=call.get("assistant_model"))
+    if drafts_nothing:  # `plain`: the rounds run on the target alone; generate reaches them through the hook
+        kwargs["assistant_model"] = self
+    return _run_generate(self, request.for_call(raw_inputs=dict(kwargs)), args, kwargs)
 
 
-def prefilled_run(model, **generate_kwargs):
-    """`model.generate(**generate_kwargs)` (a speculative call: `spec_strategy=...`) up to its first round: returns
-    the prefilled `loop.Decoding` instead of tokens, its scope open (`Decoding.scope`; the caller closes it). A
-    serving engine runs the rounds, joins rows of several such runs into one batch and lets rows leave."""
-    if generate_kwargs.get("spec_strategy") is None:
-        raise ValueError("prefilled_run needs spec_strategy=...")
-    token = _HANDOFF.set(True)
-    try:
-        run = model.generate(**generate_kwargs)
-    finally:
-        _HANDOFF.reset(token)
-    if not hasattr(run, "join"):
+def open_run(model, request: SpecRequest, **generate_kwargs) -> Decoding:
+    """A speculative call of `model` for `request` (`resolve_request`; `request.for_call(generator=...)` for a
+    sampled row's own randomness), prepared by `generate` from `generate_kwargs` (inputs, limits, EOS ids,
+    sampling settings) and prefilled, before its first round. Returns the run: drive it through its step API
+    (`Decoding.prefill_result`, `step`, `join`, `leave`) and `close` it."""
+    for name in _CONFIG_FIELDS + ("spec_calibration", "assistant_model"):
+        if name in generate_kwargs:
+            raise ValueError(f"open_run takes {name} from the request (resolve_request), not as a keyword.")
+    handoff = Handoff()
+    kwargs = dict(generate_kwargs, assistant_model=request.assistant_model or model)
+    _run_generate(model, request.for_call(raw_inputs=dict(kwargs), handoff=handoff), (), kwargs)
+    if handoff.run is None:
         raise RuntimeError("generate did not reach the speculative loop (the hook is not installed?).")
-    return run
+    return handoff.run
 
 
 def _assisted_decoding(
@@ -172,31 +158,19 @@ def _assisted_decoding(
     tokenizer=None,
     **model_kwargs,
 ):
-    if getattr(generation_config, "spec_strategy", None) is None or assistant_model is None:
+    request = _REQUEST.get()
+    if request is None or assistant_model is None:
         return _ORIGINALS["_assisted_decoding"](
             self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
             streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
             assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
         )
-    request = _REQUEST.get() or {}
-    if request.get("drop_spec_config"):  # generation_config is this call's own merged copy
-        generation_config.spec_config = None
+    _REQUEST.set(None)  # the request is this call's: a generate call nested in the rounds runs as asked
     return speculative_decode(
-        self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
+        self, input_ids, logits_processor, stopping_criteria, generation_config, request, streamer=streamer,
         assistant_model=assistant_model, tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
-        raw_inputs=request.get("raw_inputs"), synced_gpus=synced_gpus, spec_calibration=request.get("calibration"),
-        handoff=bool(request.get("handoff")), resolved_config=_resolved_for(request, self, input_ids), **model_kwargs,
+        synced_gpus=synced_gpus, **model_kwargs,
     )
-
-
-def _resolved_for(request: dict, model, input_ids):
-    """The strategy config `_generate` resolved, if it was resolved for the device the rounds run on."""
-    from ..adapters.placement import execution_device
-
-    resolved, device_type = request.get("config") or (None, None)
-    if resolved is None or request.get("drop_spec_config"):
-        return None
-    return resolved if execution_device(model, input_ids.device).type == device_type else None
 
 
 def is_installed() -> bool:

@@ -4,6 +4,10 @@ It decides nothing itself: the strategy shapes the tree, the drafter builds
 it, `ops.greedy_accept` picks the path. It reuses everything `generate`
 prepared: the target's cache and prefill inputs, logits processors,
 stopping criteria and streamer.
+
+A `Decoding` is one call's run. `generate` steps it to the end; anything that
+drives rounds itself (a serving engine) uses its step API: `prefill_result`,
+`step()` (a `RoundResult` per round), `join(other)`, `leave(rows)`, `close()`.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from .processors import RowProcessors, SequenceBuffer, StopChecker, row_free
 from .retire import RetiredRows
 from ..adapters.runner import ModelRunner
 from ..adapters.target_states import StateCapture
-from ..runtime import RuntimeConfig, resolve_runtime
+from .randomness import RowRandom
+from .request import SpecRequest
+from ..runtime import RuntimeConfig
 from .stats import RoundTrace, SpecGenerateOutput, SpecStats
-from ..strategies import get_strategy_class, resolve_config
+from .step import RoundResult
 
 
 class _Clock:
@@ -61,9 +67,8 @@ def _check_generation_config(generation_config, model_kwargs, streamer, batch_si
 
 def _validate(model, input_ids, generation_config, streamer, assistant_model, tokenizer, assistant_tokenizer,
               synced_gpus, model_kwargs):
-    """Refuse what speculation cannot do exactly; returns the target's (checked) cache."""
-    if assistant_model is None:
-        raise ValueError("spec_strategy needs a drafter: pass assistant_model=...")
+    """Refuse what speculation cannot do exactly with the settings `generate` merged (the strategy, its drafter and
+    its settings were checked in `request.resolve_request`); returns the target's (checked) cache."""
     if synced_gpus:
         raise ValueError("spec_strategy does not support synced_gpus.")
     _check_generation_config(generation_config, model_kwargs, streamer, input_ids.shape[0])
@@ -80,18 +85,14 @@ def _validate(model, input_ids, generation_config, streamer, assistant_model, to
 
 @torch.no_grad()
 def speculative_decode(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
-                       streamer=None, assistant_model=None, tokenizer=None, assistant_tokenizer=None,
-                       raw_inputs: dict | None = None, synced_gpus: bool = False,
-                       spec_calibration: SpecCalibration | None = None, handoff: bool = False,
-                       resolved_config=None, **model_kwargs):
+                       request: SpecRequest, streamer=None, assistant_model=None, tokenizer=None,
+                       assistant_tokenizer=None, synced_gpus: bool = False, **model_kwargs):
     """Tree speculative decoding for `generate(..., assistant_model=..., spec_strategy=...)`.
 
-    Called by the `_assisted_decoding` hook with everything `generate` prepared; returns what
-    `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`). `spec_calibration`: what
-    the cost rule learned in earlier calls, continued here (`cost.SpecCalibration`); None: from the priors.
-    `handoff`: return the prefilled `Decoding` before its first round instead (a serving engine runs its rounds,
-    joins it to others and closes it). `resolved_config`: the strategy's config as the hook already resolved it
-    (for this execution device), so it is not resolved twice.
+    Called by the `_assisted_decoding` hook with everything `generate` prepared and the call's resolved `request`;
+    returns what `generate` returns (a `SpecGenerateOutput` when `return_dict_in_generate=True`). With
+    `request.handoff` set, the prefilled `Decoding` is left there before its first round, its scope open (a serving
+    engine steps it, joins it to others and closes it), and the prompt with its first token is returned.
     """
     scope = contextlib.ExitStack()  # what the call enters (drafter attachment, kernels), closed on any exit
     with contextlib.ExitStack() as guard:
@@ -99,42 +100,44 @@ def speculative_decode(model, input_ids: torch.LongTensor, logits_processor, sto
         cache = _validate(model, input_ids, generation_config, streamer, assistant_model, tokenizer,
                           assistant_tokenizer, synced_gpus, model_kwargs)
         run = Decoding(scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
-                       streamer, assistant_model, model_kwargs, spec_calibration, resolved_config)
-        run.prefill(raw_inputs or {})
+                       streamer, assistant_model, model_kwargs, request)
+        run.prefill(request.raw_inputs or {})
         run.start_rounds()
-        if handoff:
+        if request.handoff is not None:
             guard.pop_all()
-            return run
-        done = bool(run.finished.all())
+            request.handoff.run = run
+            return run.buffer.sequences()
+        done = run.prefill_result.done
         while not done:
-            done = run.round()
+            done = run.step().done
         return run.finish()
 
 
 class Decoding:
-    """One speculative `generate` call: its state, and the loop's steps as methods (prefill, start_rounds, round
-    = draft -> trim -> verify -> accept -> commit, finish)."""
+    """One speculative call: its state, and the loop's steps as methods (prefill, start_rounds, step = draft ->
+    trim -> verify -> accept -> commit, finish).
+
+    The step API, for whatever drives rounds itself: `prefill_result` (the first token, a `RoundResult`), `step()`
+    (one round, a `RoundResult`), `join(other)` and `leave(rows)` between rounds, `close()` at the end.
+    """
 
     def __init__(self, scope, model, cache, input_ids, logits_processor, stopping_criteria, generation_config,
-                 streamer, assistant_model, model_kwargs, calibration=None, config=None):
+                 streamer, assistant_model, model_kwargs, request: SpecRequest):
         self.start_time = clock.now()
-        self.calibration = calibration
+        self.calibration = request.calibration
         self.scope, self.model, self.cache, self.input_ids = scope, model, cache, input_ids
         self.logits_processor, self.generation_config, self.streamer = logits_processor, generation_config, streamer
         self.assistant_model, self.model_kwargs = assistant_model, model_kwargs
-        name = generation_config.spec_strategy
-        self.strategy_class = get_strategy_class(name)
-        device = execution_device(model, input_ids.device)
-        if config is None or not isinstance(config, self.strategy_class.config_class):
-            config = resolve_config(name, getattr(generation_config, "spec_config", None), device)
-        self.config = config
-        # how rounds run (`spec_runtime`), apart from what the strategy verifies
-        self.runtime: RuntimeConfig = resolve_runtime(getattr(generation_config, "spec_runtime", None))
+        name = request.strategy
+        self.strategy_class = request.strategy_class
+        self.config = request.config_for(execution_device(model, input_ids.device))
+        self.runtime: RuntimeConfig = request.runtime  # how rounds run, apart from what the strategy verifies
         self._enter_runtime_settings()
         self.drafter = make_drafter(assistant_model, model, self.strategy_class, self.config, scope,
                                     host_trees=self.runtime.host_trees)
         self.batch_size, self.device = input_ids.shape[0], input_ids.device
         self.do_sample = bool(generation_config.do_sample)
+        self.random = RowRandom.for_call(request.generator, self.batch_size)
         self.stats = SpecStats(strategy=name)
         return_dict = generation_config.return_dict_in_generate
         self.row_scores = [[] for _ in input_ids] if return_dict and generation_config.output_scores else None
@@ -146,7 +149,8 @@ class Decoding:
         self.processors = RowProcessors(logits_processor, self.batch_size, self.device)
         self.finished = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
         self.clock = _Clock()
-        self.trace = RoundTrace(self.batch_size)
+        self.trace = RoundTrace(self.batch_size, keep=not request.light_trace)
+        self.prefill_result: RoundResult | None = None
         self.strategy = self.target = self.cost = self.pricing = None
         self.last_round = None  # (path_index, counts) of a final round that ended the call before its commit
         # finished rows leave the batch between rounds (`retire_rows`); `rows`: each remaining row's row in the call
@@ -191,7 +195,8 @@ class Decoding:
             )
         raw = outputs.logits[:, -1, :].to(torch.float32)
         scores = self.logits_processor(input_ids, raw) if len(self.logits_processor) else raw
-        first = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
+        everyone = torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
+        first = self.random.categorical(torch.softmax(scores, -1), everyone) if self.do_sample else scores.argmax(-1)
         hidden = None
         if indices is not None:
             hidden = capture.states if capture is not None else outputs.hidden_states
@@ -204,9 +209,12 @@ class Decoding:
         self.first_real = slot_valid.long().argmax(-1)  # (B,) first prompt token after left padding
         if self.device.type == "cpu":
             self._enter_cpu_kernels()
-        counts, done = self.stopper.cut(self.buffer, first[:, None], torch.ones_like(first))
+        counts, done, stopped = self.stopper.cut(self.buffer, first[:, None], torch.ones_like(first))
         self._emit(first[:, None], counts, scores[:, None], raw[:, None])
         self.finished |= done
+        none = torch.zeros_like(first)
+        self.prefill_result = RoundResult(first[:, None], counts, self.finished.clone(), stopped & done, everyone,
+                                          none, none)
         self.stats.time_prefill += self.clock.lap()
         if not bool(self.finished.all()):
             drafter.start(TargetPrefill(input_ids, attention_mask, slot_valid, raw_inputs, self.cache, hidden, first))
@@ -261,8 +269,8 @@ class Decoding:
 
     # ---- one round
 
-    def round(self) -> bool:
-        """One round; True when it ended the call (every row finished)."""
+    def step(self) -> RoundResult:
+        """One round: draft, trim, verify, accept, commit. What each row of the batch (as the round began) got."""
         round_start = clock.now()
         active = ~self.finished
         tree, paused = self._draft(active)
@@ -270,10 +278,12 @@ class Decoding:
             tree = self._trim(tree, active)
         raw, hidden, verify_seconds = self._verify(tree)
         accepted = self._accept(tree, raw, active, paused)
+        result = RoundResult(accepted.tokens, accepted.counts, self.finished.clone(), accepted.stopped, active,
+                             tree.num_drafted() * active, accepted.accept_length * active)
         finished = int(self.finished.sum())
         if finished == self.batch_size:  # the last round: nothing to commit (`finish` returns the cache as is)
             self.last_round = (accepted.path_index, accepted.counts)
-            return True
+            return result
         self._commit(tree, accepted, hidden)
         if self.cost is not None:
             round_seconds = clock.now() - round_start
@@ -283,7 +293,7 @@ class Decoding:
                 self.cost.observe_rate(not paused, round_seconds, int(tokens))
         if self.retired is not None and finished and finished >= RetiredRows.LEAVE_AT * self.batch_size:
             self._retire()
-        return False
+        return result
 
     def _retire(self) -> None:
         """Finished rows leave the batch (once they are `RetiredRows.LEAVE_AT` of it: each exit copies the
@@ -292,15 +302,35 @@ class Decoding:
         smaller batch."""
         keep, gone = (~self.finished).nonzero().squeeze(1), self.finished.nonzero().squeeze(1)
         self.retired.add(self.rows[gone], gone, self.buffer, self.target)
-        self.keep_rows(keep)
+        self._keep_rows(keep)
         self.stats.time_compact += self.clock.lap()
 
     # ---- rows that join and leave between rounds (`_retire`; a serving engine's batch)
 
-    def keep_rows(self, keep: torch.Tensor) -> None:
+    def leave(self, rows) -> None:
+        """Rows `rows` (positions in the batch, e.g. finished or cancelled requests) leave it between rounds: every
+        part of the run keeps the other rows, in order, and the target's cache and the drafter's state drop the
+        columns no remaining row holds. At least one row must stay (`close` ends the run)."""
+        gone = {int(row) for row in rows}
+        if any(row < 0 or row >= self.batch_size for row in gone):
+            raise ValueError(f"leave: rows must be positions in the batch of {self.batch_size}, got {sorted(gone)}.")
+        keep = [row for row in range(self.batch_size) if row not in gone]
+        if not keep:
+            raise ValueError("leave: every row would leave the batch; close the run instead.")
+        self._keep_rows(torch.tensor(keep, dtype=torch.long, device=self.device))
+        self.target.trim()
+        self.drafter.trim()
+
+    def close(self) -> None:
+        """Release what the run entered (the drafter's attachment, kernels, the target's round settings); a run
+        handed off after its prefill is closed by whoever drives it."""
+        self.scope.close()
+
+    def _keep_rows(self, keep: torch.Tensor) -> None:
         """Only rows `keep` `(B',)` stay, in that order, in every part of the run (between rounds); the cost rule
         prices the new batch."""
-        for part in (self.buffer, self.target, self.drafter, self.strategy, self.stopper, self.processors):
+        for part in (self.buffer, self.target, self.drafter, self.strategy, self.stopper, self.processors,
+                     self.random):
             part.keep_rows(keep)
         self.finished, self.first_real, self.rows = self.finished[keep], self.first_real[keep], self.rows[keep]
         self.batch_size = int(keep.shape[0])
@@ -308,9 +338,8 @@ class Decoding:
 
     def join(self, other: "Decoding") -> None:
         """The rows of `other` follow this run's (between rounds): `other` is a run of the same target, drafter,
-        strategy and decoding mode, prefilled and handed off before its first round (`speculative_decode(...,
-        handoff=True)`); each row keeps its own limits and logits processors. `other` is spent; its scope stays
-        the caller's to close."""
+        strategy and decoding mode, prefilled and handed off before its first round (`integration.open_run`); each
+        row keeps its own limits, logits processors and random generator. `other` is spent: close it after."""
         if other.strategy_class is not self.strategy_class or other.do_sample != self.do_sample:
             raise ValueError("a run joins a batch of the same strategy and decoding mode (greedy or sampling).")
         if other.model is not self.model or other.assistant_model is not self.assistant_model:
@@ -329,6 +358,7 @@ class Decoding:
         self.target.join(other.target)
         self.drafter.join(other.drafter)
         self.strategy.join(other.strategy)
+        self.random.join(other.random)
         self.finished = torch.cat([self.finished, other.finished])
         self.first_real = torch.cat([self.first_real, other.first_real])
         self.rows = torch.cat([self.rows, other.rows + self.trace.batch_size])
@@ -357,7 +387,7 @@ class Decoding:
             self.stats.paused_rounds += 1
         else:
             process = self._process_draft if len(self.processors) else None
-            tree = drafter.draft(self.strategy, process, max_depth, sample=self.do_sample,
+            tree = drafter.draft(self.strategy, process, max_depth, sample=self.do_sample, generator=self.random,
                                  committed=(buffer.ids, buffer.lengths, self.first_real), pricing=self.pricing)
         elapsed = self.clock.lap()
         drafting = drafter.model_time - model_time
@@ -400,14 +430,14 @@ class Decoding:
             scores = self.processors.apply(self.buffer, tree.path_tokens(), tree.depths, raw, tree.valid)
         choice = None
         if self.do_sample:
-            path_index, accept_length, bonus = sample_accept(tree, torch.softmax(scores, dim=-1))
+            path_index, accept_length, bonus = sample_accept(tree, torch.softmax(scores, dim=-1), self.random)
         else:
             choice = scores.argmax(-1)  # (B, N) the target's greedy token after each node
             path_index, accept_length, bonus = ops.greedy_accept(tree.tokens, tree.parents, tree.valid, choice,
                                                                  tree.num_levels)
         new_tokens = torch.cat([tree.tokens.gather(1, path_index[:, 1:]), bonus[:, None]], dim=1)
         new_tokens.scatter_(1, accept_length[:, None], bonus[:, None])
-        counts, done = self.stopper.cut(self.buffer, new_tokens, torch.where(active, accept_length + 1, 0))
+        counts, done, stopped = self.stopper.cut(self.buffer, new_tokens, torch.where(active, accept_length + 1, 0))
         counts = torch.where(active, counts, 0)
         if self.row_scores is not None or self.row_logits is not None:
             scores, raw = scores.gather(1, _expand(path_index, scores)), raw.gather(1, _expand(path_index, raw))
@@ -418,7 +448,7 @@ class Decoding:
         if not paused:  # a root-only round says nothing about the strategy's trees
             self.strategy.observe(accept_length, active)
         self.stats.time_accept += self.clock.lap()
-        return _Accepted(path_index, accept_length, bonus, counts, choice)
+        return _Accepted(path_index, accept_length, bonus, new_tokens, counts, stopped & done & active, choice)
 
     def _commit(self, tree, accepted: "_Accepted", hidden) -> None:
         """Keep the accepted path in the target's cache and the drafter's state."""
@@ -484,7 +514,9 @@ class _Accepted:
     path_index: torch.Tensor  # (B, D + 1) accepted nodes, root first
     accept_length: torch.Tensor  # (B,) accepted draft tokens
     bonus: torch.Tensor  # (B,) the target's next token
+    tokens: torch.Tensor  # (B, D + 1) the accepted tokens and the bonus; each row appended its first `counts`
     counts: torch.Tensor  # (B,) tokens appended (0 for rows already finished)
+    stopped: torch.Tensor  # (B,) rows that finished on an EOS token or a stopping criterion
     choice: torch.Tensor | None  # (B, N) the target's greedy token after each node (greedy decoding)
 
 

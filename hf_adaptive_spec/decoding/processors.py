@@ -191,9 +191,12 @@ class StopChecker:
         return (self.max_length - buffer.lengths).clamp_min(0)
 
     def cut(self, buffer: SequenceBuffer, tokens: torch.Tensor, counts: torch.Tensor):
-        """Return `(counts, finished)` for candidate `tokens` `(B, K)` with `counts` `(B,)` real ones."""
+        """Return `(counts, finished, stopped)` for candidate `tokens` `(B, K)` with `counts` `(B,)` real ones;
+        `stopped` `(B,)`: rows that end on an EOS token or a stopping criterion (the others that finish reached
+        their length limit)."""
         counts = torch.minimum(counts, self.room(buffer))
         finished = buffer.lengths + counts >= self.max_length
+        stopped = torch.zeros_like(finished)
         index = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
         if self.eos is not None:
             if self.eos.dim() == 2:  # each row its own EOS ids
@@ -201,23 +204,23 @@ class StopChecker:
             else:
                 is_eos = torch.isin(tokens, self.eos.to(tokens.device))
             is_eos &= index < counts[:, None]
-            has_eos = is_eos.any(-1)
-            counts = torch.where(has_eos, is_eos.to(torch.int8).argmax(-1) + 1, counts)
-            finished |= has_eos
+            stopped = is_eos.any(-1)
+            counts = torch.where(stopped, is_eos.to(torch.int8).argmax(-1) + 1, counts)
+            finished |= stopped
         if self.per_token:
-            counts, finished = self._cut_per_token(buffer, tokens, counts, finished)
-        return counts, finished
+            counts, finished, stopped = self._cut_per_token(buffer, tokens, counts, finished, stopped)
+        return counts, finished, stopped
 
-    def _cut_per_token(self, buffer, tokens, counts, finished):
-        counts, finished = counts.clone(), finished.clone()
+    def _cut_per_token(self, buffer, tokens, counts, finished, stopped):
+        counts, finished, stopped = counts.clone(), finished.clone(), stopped.clone()
         for row in range(tokens.shape[0]):
             length = int(buffer.lengths[row])
             for j in range(1, int(counts[row]) + 1):
                 ids = torch.cat([buffer.ids[row, :length], tokens[row, :j]])[None]
                 if bool(self.criteria(ids, None)[0]):
-                    counts[row], finished[row] = j, True
+                    counts[row], finished[row], stopped[row] = j, True, True
                     break
-        return counts, finished
+        return counts, finished, stopped
 
 
 class RowProcessors:

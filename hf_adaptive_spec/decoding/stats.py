@@ -93,10 +93,11 @@ class SpecGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 class RoundTrace:
-    """Per-round statistics kept on the device and read back once at the end (no host sync per round)."""
+    """Per-round statistics kept on the device and read back once at the end (no host sync per round); with
+    `keep=False` none are kept (a long-lived serving batch, whose rounds report through `Decoding.step`)."""
 
-    def __init__(self, batch_size: int):
-        self.batch_size = batch_size
+    def __init__(self, batch_size: int, keep: bool = True):
+        self.batch_size, self.keep = batch_size, keep
         self.active, self.drafted, self.accepted = [], [], []
         self.values = {}  # name -> [(B,) per round]: what the strategy reports
         self.rows = []  # per round: the call's row of each of its rows (fewer once rows left the batch)
@@ -104,6 +105,8 @@ class RoundTrace:
 
     def record(self, active, drafted, accepted, values: dict, rows: torch.Tensor):
         """One round's `(B,)` values, `rows` the call's row of each."""
+        if not self.keep:
+            return
         self.rows.append(rows)
         self.active.append(active)
         self.drafted.append(drafted)

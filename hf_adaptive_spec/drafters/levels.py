@@ -86,7 +86,7 @@ def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch
         probs = torch.softmax(logits, dim=-1)  # (B, F, V)
         builder.draft_probs.append((torch.where(frontier.valid, frontier_nodes, -1), probs))
         # exponential race: the top-k of q / E, E ~ Exp(1), is a draw of k tokens without replacement
-        race = probs / torch.empty_like(probs).exponential_(generator=generator)
+        race = probs / _exponential(probs, frontier.valid, generator)
         top_tokens = race.topk(k, dim=-1).indices
         top_probs = probs.gather(-1, top_tokens)
     else:
@@ -104,3 +104,11 @@ def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch
     return Level(tokens=top_tokens.flatten(1).gather(1, child), parent=parent, valid=valid, probs=probs,
                  cum_probs=frontier.cum_probs.gather(1, parent) * probs, expand=expand, grow=grow,
                  grow_valid=grow_valid, num_grow=num_grow)
+
+
+def _exponential(probs: torch.Tensor, valid: torch.Tensor, generator) -> torch.Tensor:
+    """Exp(1) draws shaped like `probs`: from `generator` (the decoding loop's `RowRandom`: per row, for valid
+    nodes only), or from torch's global generator when None."""
+    if generator is None:
+        return torch.empty_like(probs).exponential_()
+    return generator.exponential(probs, valid)

@@ -1,15 +1,21 @@
 """A continuous-batching engine whose step is one speculative round.
 
+The engine drives the decoding loop through its step API only (`decoding.integration.open_run` and
+`loop.Decoding`'s `prefill_result`, `step`, `join`, `leave`, `close`), with one `SpecRequest` resolved and checked
+when the engine is built.
+
 Requests wait in a bounded queue. Between rounds the engine admits as many as the batch has room for: each is
 prefilled alone, exactly as `generate` prefills it (its own logits processors, stop ids and token limit), and its
-rows join the running batch (`loop.Decoding.join`: the target's cache, the drafter's state, the strategy's
-per-row state, the cost rule's batch size). Each round then drafts, verifies and accepts for every row at once;
-the new tokens go to each request's callback; finished and cancelled rows leave the batch
-(`loop.Decoding.keep_rows`), and the cache drops the columns no row holds any more.
+rows join the running batch (the target's cache, the drafter's state, the strategy's per-row state, its random
+generator, the cost rule's batch size). Each step then drafts, verifies and accepts for every row at once and
+says what each row got; the new tokens go to each request's callback; finished and cancelled rows leave the batch,
+and the cache drops the columns no row holds any more.
 
-Greedy and sampling requests run in two batches (their acceptance rules differ), each in a `contextvars`
-context of its own, so the per-call settings a run enters (CPU kernels, lean forward, the drafter's attachment)
-never mix between them.
+A sampled request draws from a generator of its own (seeded by `Request.seed`, else from the OS), never from
+torch's global one: a seeded request gives the same tokens whatever else shares its batch. Greedy and sampled
+requests run in two batches, each in a `contextvars` context of its own (the per-call settings a run enters --
+CPU kernels, lean forward, the drafter's attachment -- never mix between them): the cost rule prices and trims
+greedy rounds for the batch they run in, and a sampled row's tree must not depend on its neighbours.
 
     engine = Engine(model, drafter, strategy="laspec")
     engine.start()
@@ -32,10 +38,10 @@ from typing import Callable
 
 import torch
 
+from ..adapters.compat import vocab_size
 from ..cost import SpecCalibration
-from ..decoding.integration import prefilled_run
-from ..runtime import resolve_runtime
-from ..strategies import get_strategy_class, resolve_config
+from ..decoding.integration import open_run
+from ..decoding.request import resolve_request
 
 __all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "RequestHandle"]
 
@@ -60,8 +66,8 @@ class Request:
             output, as `generate` includes its EOS).
         temperature (`float`): 0 for greedy decoding; > 0 samples at that temperature.
         top_p (`float`), top_k (`int`): nucleus and top-k filtering when sampling (1.0 / 0: off).
-        seed (`int`, *optional*): seeds the request's first draw (later draws share the batch's generator: a
-            sampled request follows the target's distribution but is not reproducible beside other requests).
+        seed (`int`, *optional*): seeds the request's own random generator when sampling: the same seed gives the
+            same tokens, whatever else shares the batch (None: seeded from the OS).
         model_inputs (dict, *optional*): the processor's other outputs for this prompt (batch 1), e.g.
             `pixel_values` for an image request.
         request_id (`str`): an id for logs and callbacks.
@@ -163,19 +169,6 @@ class RequestHandle:
             self._on_finish(reason, error)
 
 
-class _LastRound:
-    """The loop's round trace for a long-lived batch: only the last round's values are kept (a server's batch
-    runs for hours; `SpecStats` per call would grow without end)."""
-
-    def __init__(self, batch_size: int):
-        self.batch_size = batch_size
-        self.pruned = 0
-        self.active = self.drafted = self.accepted = None
-
-    def record(self, active, drafted, accepted, values: dict, rows: torch.Tensor):
-        self.active, self.drafted, self.accepted = active, drafted, accepted
-
-
 class _Batch:
     """A running batch: a `loop.Decoding` whose rows are requests, in a `contextvars` context of its own."""
 
@@ -204,29 +197,26 @@ class Engine:
     def __init__(self, model, drafter=None, strategy: str = "laspec", spec_config=None, max_batch: int = 8,
                  max_queue: int = 32, eos_token_id=None, pad_token_id: int | None = None,
                  calibration: SpecCalibration | None = None, spec_runtime=None):
-        strategy_class = get_strategy_class(strategy)
-        if strategy_class.drafts_nothing and drafter is not None:
-            raise ValueError(f"strategy {strategy!r} drafts nothing: pass no drafter.")
-        if not strategy_class.drafts_nothing and drafter is None:
-            raise ValueError(f"strategy {strategy!r} needs a drafter.")
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}.")
-        visual = resolve_config(strategy, spec_config, model.device).independent_drafter_options()
-        if visual.get("visual_selection") == "round":
+        # what each round verifies and how it runs, resolved and checked once for every request
+        self.spec = resolve_request(model, strategy, spec_config=spec_config, spec_runtime=spec_runtime,
+                                    assistant_model=drafter, light_trace=True,
+                                    calibration=calibration if calibration is not None
+                                    else SpecCalibration(keep_pauses=True))
+        if self.spec.config.independent_drafter_options().get("visual_selection") == "round":
             raise ValueError("spec_config visual_selection='round' re-picks a drafter's visual tokens from the rows' "
                              "own queries every round, which rows joining a running batch cannot share yet; serve "
                              "with visual_selection='prefill' (or without visual_tokens).")
-        self.model, self.drafter, self.strategy, self.spec_config = model, drafter, strategy, spec_config
-        self.spec_runtime = resolve_runtime(spec_runtime)
+        self.model, self.drafter, self.strategy = model, drafter, strategy
+        self.calibration = self.spec.calibration
         self.max_batch, self.max_queue = max_batch, max_queue
         generation_config = model.generation_config
         eos = generation_config.eos_token_id if eos_token_id is None else eos_token_id
         self.eos_token_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         pad = generation_config.pad_token_id if pad_token_id is None else pad_token_id
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.vocab_size = getattr(config, "vocab_size", None)
-        self.calibration = calibration if calibration is not None else SpecCalibration(keep_pauses=True)
+        self.vocab_size = vocab_size(model)
         self._waiting: collections.deque = collections.deque()
         self._condition = threading.Condition()
         self._batches: dict[bool, _Batch | None] = {False: None, True: None}  # by do_sample
@@ -339,31 +329,37 @@ class Engine:
         kwargs = dict(input_ids=prompt, **extra, max_new_tokens=request.max_new_tokens,
                       eos_token_id=self.eos_token_ids + [t for t in request.stop_token_ids
                                                          if t not in self.eos_token_ids],
-                      pad_token_id=self.pad_token_id, spec_strategy=self.strategy, spec_config=self.spec_config,
-                      spec_calibration=self.calibration, spec_runtime=self.spec_runtime, do_sample=request.do_sample)
+                      pad_token_id=self.pad_token_id, do_sample=request.do_sample)
         if request.do_sample:
             kwargs.update(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
         else:  # the model's saved sampling defaults do not apply to a greedy request
             kwargs.update(temperature=None, top_p=None, top_k=None)
-        if self.drafter is not None:
-            kwargs["assistant_model"] = self.drafter
         return kwargs
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        """A sampled request's own random generator (greedy requests draw nothing)."""
+        if not request.do_sample:
+            return None
+        generator = torch.Generator(device=self.model.device)
+        if request.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(request.seed)
+        return generator
 
     def _prefill(self, handle: RequestHandle) -> None:
         request = handle.request
         do_sample = request.do_sample
         batch = self._batches[do_sample]
         context = batch.context if batch is not None else contextvars.copy_context()
-        if request.seed is not None:
-            torch.manual_seed(request.seed)
-        run = context.run(prefilled_run, self.model, **self._generate_kwargs(request))
+        spec = self.spec.for_call(generator=self._generator(request))
+        run = context.run(open_run, self.model, spec, **self._generate_kwargs(request))
         self._counters["prefills"] += 1
-        run.trace = _LastRound(run.batch_size)
-        prompt_length = run.buffer.prompt_length
-        handle._emit(run.buffer.ids[0, prompt_length: int(run.buffer.lengths[0])].tolist())
-        if bool(run.finished.all()):  # the first token ended it (EOS, or max_new_tokens=1)
-            context.run(run.scope.close)
-            self._end(handle, self._reason(handle))
+        first = run.prefill_result
+        handle._emit(first.new_tokens()[0])
+        if first.done:  # the first token ended it (EOS, or max_new_tokens=1)
+            context.run(run.close)
+            self._end(handle, first.finish_reasons()[0])
             return
         if batch is None:
             with self._condition:
@@ -372,66 +368,43 @@ class Engine:
         try:
             context.run(batch.run.join, run)
         finally:
-            context.run(run.scope.close)  # the batch's own scope holds what both entered
+            context.run(run.close)  # the batch's own scope holds what both entered
         with self._condition:
             batch.handles.append(handle)
 
     def _round(self, do_sample: bool) -> None:
         batch = self._batches[do_sample]
-        run = batch.run
-        before = run.buffer.lengths.clone()
         try:
-            batch.context.run(run.round)
+            result = batch.context.run(batch.run.step)
         except Exception as error:
             self._close(do_sample)
             self._fail(batch.handles, error)
             return
         self._counters["rounds"] += 1
-        lengths = run.buffer.lengths
-        counts = (lengths - before).tolist()
-        ids = run.buffer.ids
-        starts = before.tolist()
-        for row, handle in enumerate(batch.handles):
-            if counts[row]:
-                handle._emit(ids[row, starts[row]: starts[row] + counts[row]].tolist())
-        self._counters["tokens"] += sum(counts)
-        trace = run.trace
-        if trace.active is not None:
-            active = trace.active.tolist()
-            self._counters["row_rounds"] += sum(active)
-            for nodes, is_active in zip(trace.drafted.tolist(), active):
-                if is_active:
-                    self._verified_nodes[int(nodes)] += 1
-        finished = run.finished.tolist()
-        leaving = [row for row, handle in enumerate(batch.handles) if finished[row] or handle.cancelled]
+        for handle, tokens in zip(batch.handles, result.new_tokens()):
+            handle._emit(tokens)
+            self._counters["tokens"] += len(tokens)
+        decoding = result.decoding_rows()
+        self._counters["row_rounds"] += len(decoding)
+        self._verified_nodes.update(drafted for drafted, _ in decoding)
+        reasons = result.finish_reasons()
+        leaving = [row for row, handle in enumerate(batch.handles) if reasons[row] is not None or handle.cancelled]
         if not leaving:
             return
         for row in leaving:
-            handle = batch.handles[row]
-            self._end(handle, self._reason(handle) if finished[row] else "cancelled")
+            self._end(batch.handles[row], reasons[row] or "cancelled")
         staying = [row for row in range(len(batch.handles)) if row not in set(leaving)]
         if not staying:
             self._close(do_sample)
             return
-        keep = torch.tensor(staying, dtype=torch.long, device=run.finished.device)
-
-        def leave():
-            run.keep_rows(keep)
-            run.target.trim()
-            run.drafter.trim()
-
         try:
-            batch.context.run(leave)
+            batch.context.run(batch.run.leave, leaving)
         except Exception as error:
             self._close(do_sample)
             self._fail([batch.handles[row] for row in staying], error)
             return
         with self._condition:
             batch.handles = [batch.handles[row] for row in staying]
-
-    def _reason(self, handle: RequestHandle) -> str:
-        stops = set(self.eos_token_ids) | set(handle.request.stop_token_ids)
-        return "stop" if handle.tokens and handle.tokens[-1] in stops else "length"
 
     def _end(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
         self._counters[{"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")] += 1
@@ -449,7 +422,7 @@ class Engine:
         with self._condition:
             batch, self._batches[do_sample] = self._batches[do_sample], None
         if batch is not None:
-            batch.context.run(batch.run.scope.close)
+            batch.context.run(batch.run.close)
 
     def _shutdown(self) -> None:
         """The thread's end: every request still here ends as "cancelled"."""
