@@ -1,6 +1,6 @@
 """The `generate()` hook: `spec_strategy=...` routes assisted decoding to this library.
 
-`install()` (run by `import hf_adaptive_spec`) adds two fields to
+`install()` (run by `import hf_adaptive_spec`) adds three fields to
 `GenerationConfig` (`spec_strategy`, `spec_config`, `spec_runtime`, all None by
 default, so `generate(spec_strategy=...)` lands in the generation config instead
 of the model kwargs), and wraps two `GenerationMixin` methods:
@@ -8,13 +8,19 @@ of the model kwargs), and wraps two `GenerationMixin` methods:
 - `generate`: finds the strategy as `generate` merges settings: this call's
   `spec_strategy=` keyword, else the `generation_config` passed to this call
   (by keyword or by position), else the model's own `generation_config`.
-  When a strategy applies, it checks the request up front (strategy name,
-  drafter present, no beam search, the resolved `spec_config`, including
-  candidate ranks against the vocabulary) and remembers the raw multimodal
-  inputs, which generate itself drops before decoding, so a VLM drafter can
-  see the image.
-- `_assisted_decoding`: dispatches on `generation_config.spec_strategy`; when
-  it is unset, or no drafter was given, the original runs untouched.
+  When a strategy applies, it refuses beam search and `custom_generate` and
+  resolves the call's one `SpecRequest` (`request.resolve_request`: strategy
+  name, drafter present, the resolved `spec_config` with candidate ranks
+  checked against the vocabulary, `spec_runtime`, `spec_calibration`), with
+  the raw inputs, which generate itself drops before decoding, so a VLM
+  drafter can see the image.
+- `_assisted_decoding`: runs the speculative loop for the request of the call
+  in progress; in any other call (no strategy, a nested call) the original
+  runs untouched.
+
+`open_run(model, request, **generate_kwargs)` prepares and prefills a call
+for a request resolved beforehand and returns the run itself (its step API),
+which a serving engine drives; `generate`'s return value plays no part.
 
 Per call and saved strategies:
 
