@@ -307,18 +307,9 @@ class LaSpecDrafterModel(TargetModules, DraftVocabulary, PreTrainedModel):
             raise ValueError(f"input_ids must have shape (batch, block); got {tuple(input_ids.shape)}.")
         batch, length = input_ids.shape
         precomputed = isinstance(context, ContextKV)
-        if precomputed:
-            if context.batch_size != batch or len(context.keys) != len(self.layers):
-                raise ValueError(f"context (ContextKV) must hold batch {batch} and {len(self.layers)} layers; got "
-                                 f"batch {context.batch_size} and {len(context.keys)} layers.")
-            if context_position_ids is None:
-                raise ValueError("forward_block with a ContextKV needs the context_position_ids it was built at.")
-            num_context = context.length
-        else:
-            if context.dim() != 3 or context.shape[0] != batch or context.shape[-1] != self.config.hidden_size:
-                raise ValueError(f"context must have shape (batch={batch}, C, hidden_size={self.config.hidden_size}); "
-                                 f"got {tuple(context.shape)}.")
-            num_context = context.shape[1]
+        num_context = self._context_length(context, batch)
+        if precomputed and context_position_ids is None:
+            raise ValueError("forward_block with a ContextKV needs the context_position_ids it was built at.")
         device, dtype = input_ids.device, self.context_proj.weight.dtype
         if position_ids is None:
             position_ids = (num_context + torch.arange(length, device=device)).expand(batch, -1)
@@ -330,39 +321,32 @@ class LaSpecDrafterModel(TargetModules, DraftVocabulary, PreTrainedModel):
         if block_length < 1 or length % block_length:
             raise ValueError(f"block_length ({block_length}) must divide the query length ({length}).")
         if visual_embeds is not None:
-            num_blocks = length // block_length
-            per_block = visual_embeds.dim() == 4
-            if (visual_embeds.dim() not in (3, 4) or visual_embeds.shape[0] != batch
-                    or visual_embeds.shape[-1] != self.config.vision_hidden_size
-                    or (per_block and visual_embeds.shape[1] != num_blocks)):
-                raise ValueError(
-                    f"visual_embeds must have shape (batch={batch}, M, vision_hidden_size="
-                    f"{self.config.vision_hidden_size}), or (batch, blocks={num_blocks}, M, vision_hidden_size) for "
-                    f"one set per block; got {tuple(visual_embeds.shape)}."
-                )
-            visual_embeds = visual_embeds.to(dtype)
-            if visual_mask is None:
-                visual_mask = torch.ones(visual_embeds.shape[:-1], dtype=torch.bool, device=device)
-            visual_mask = visual_mask.bool()
+            visual_embeds, visual_mask = self._visual_inputs(visual_embeds, visual_mask, batch, length // block_length,
+                                                             dtype, device)
         hidden = self._embed_block(input_ids, embedding, dtype, block_length)  # (B, L, hid)
         block_of = torch.arange(length, device=device) // block_length  # (L,)
-        anchor = position_ids[:, block_of * block_length]  # (B, L): each query's block start
         if self.previous_proj is not None:
             previous = self._previous_state(previous_state, context, context_mask, context_position_ids,
                                             position_ids[:, ::block_length], dtype)  # (B, nb, hid)
             hidden = hidden + self.previous_proj(previous).repeat_interleave(block_length, dim=1)
         elif previous_state is not None:
             raise ValueError("previous_state is only read by a drafter with config.fuse_previous_state=True.")
+        allowed = self._block_attention(context_mask, context_position_ids, position_ids, block_of, block_length,
+                                        batch)
+        hidden, all_hidden = self._layers_and_norm(hidden, context, position_ids, context_position_ids, allowed,
+                                                   visual_embeds, visual_mask, dtype, output_hidden_states)
+        logits = fixed_head(hidden, lm_head) if output_logits else None  # (B, L, V)
+        return LaSpecDrafterOutput(logits=logits, hidden_states=all_hidden, last_hidden_state=hidden)
 
-        # keys = [context (C) ; block (L)]: valid context strictly before the block, causal inside the block
-        context_visible = context_mask.bool()[:, None, :] & (context_position_ids[:, None, :] < anchor[..., None])
-        same_block = block_of[:, None] == block_of[None, :]
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril() & same_block  # (L, L)
-        allowed = torch.cat([context_visible, causal.expand(batch, length, length)], dim=-1)[:, None]  # (B,1,L,C+L)
+    def _layers_and_norm(self, hidden, context, position_ids, context_position_ids, allowed, visual_embeds,
+                         visual_mask, dtype: torch.dtype, output_hidden_states: bool):
+        """`(hidden, all_hidden)`: the block `(B, L, hidden_size)` through every layer (rotary tables in `dtype`),
+        the final norm and the output projection (what the LM head reads), and the block after the embedding and
+        each layer (None unless `output_hidden_states`)."""
+        precomputed = isinstance(context, ContextKV)
         block_rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
         context_rope = None if precomputed else rope_cos_sin(context_position_ids, self.config.head_dim,
                                                                self.config.rope_theta, dtype)
-
         all_hidden = (hidden,) if output_hidden_states else None
         for index, layer in enumerate(self.layers):
             layer_context = (context.keys[index], context.values[index]) if precomputed else context
@@ -372,8 +356,49 @@ class LaSpecDrafterModel(TargetModules, DraftVocabulary, PreTrainedModel):
         hidden = self.norm(hidden)
         if self.output_proj is not None:
             hidden = self.output_proj(hidden)
-        logits = fixed_head(hidden, lm_head) if output_logits else None  # (B, L, V)
-        return LaSpecDrafterOutput(logits=logits, hidden_states=all_hidden, last_hidden_state=hidden)
+        return hidden, all_hidden
+
+    def _context_length(self, context, batch: int) -> int:
+        """The number of context slots C of an encoded context `(B, C, hidden_size)` or a [`ContextKV`], checked
+        against the batch (and the layers)."""
+        if isinstance(context, ContextKV):
+            if context.batch_size != batch or len(context.keys) != len(self.layers):
+                raise ValueError(f"context (ContextKV) must hold batch {batch} and {len(self.layers)} layers; got "
+                                 f"batch {context.batch_size} and {len(context.keys)} layers.")
+            return context.length
+        if context.dim() != 3 or context.shape[0] != batch or context.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"context must have shape (batch={batch}, C, hidden_size={self.config.hidden_size}); "
+                             f"got {tuple(context.shape)}.")
+        return context.shape[1]
+
+    def _visual_inputs(self, visual_embeds, visual_mask, batch: int, num_blocks: int, dtype: torch.dtype, device):
+        """`(visual_embeds, visual_mask)` checked (one set per row, or one per block) and cast: the embeddings to
+        `dtype`, the mask (default: every token) to bool."""
+        per_block = visual_embeds.dim() == 4
+        if (visual_embeds.dim() not in (3, 4) or visual_embeds.shape[0] != batch
+                or visual_embeds.shape[-1] != self.config.vision_hidden_size
+                or (per_block and visual_embeds.shape[1] != num_blocks)):
+            raise ValueError(
+                f"visual_embeds must have shape (batch={batch}, M, vision_hidden_size="
+                f"{self.config.vision_hidden_size}), or (batch, blocks={num_blocks}, M, vision_hidden_size) for "
+                f"one set per block; got {tuple(visual_embeds.shape)}."
+            )
+        visual_embeds = visual_embeds.to(dtype)
+        if visual_mask is None:
+            visual_mask = torch.ones(visual_embeds.shape[:-1], dtype=torch.bool, device=device)
+        return visual_embeds, visual_mask.bool()
+
+    @staticmethod
+    def _block_attention(context_mask, context_position_ids, position_ids, block_of, block_length,
+                         batch: int) -> torch.Tensor:
+        """`(B, 1, L, C + L)` bool over keys `[context (C) ; block (L)]`: valid context strictly before each
+        query's block, causal inside its block (`block_of` `(L,)`: each query's block)."""
+        length = block_of.shape[0]
+        anchor = position_ids[:, block_of * block_length]  # (B, L): each query's block start
+        context_visible = context_mask.bool()[:, None, :] & (context_position_ids[:, None, :] < anchor[..., None])
+        same_block = block_of[:, None] == block_of[None, :]
+        causal = torch.ones(length, length, dtype=torch.bool, device=block_of.device).tril() & same_block  # (L, L)
+        return torch.cat([context_visible, causal.expand(batch, length, length)], dim=-1)[:, None]
 
     def _previous_state(self, previous_state, context, context_mask, context_position_ids, anchors, dtype):
         """`(B, nb, hidden)`: the encoded context at position `anchor - 1` of each block (zeros if absent)."""
