@@ -1,9 +1,12 @@
 """Loading models for the command line, training and the datastore builder: a registry name or a local folder
--> model and processor / tokenizer; drafters (LaSpec, or an independent model, optionally int8); chat inputs."""
+-> model and processor / tokenizer; drafters (LaSpec, or an independent model, optionally int8); the inputs of
+one command-line prompt."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from .chat_template import encode_chat, text_tokenizer
 
 __all__ = ["chat_inputs", "int8_drafter", "is_laspec", "load_drafter", "load_model", "model_names", "resolve_path"]
 
@@ -59,23 +62,22 @@ def load_model(name_or_path: str, dtype: str = "float32", progress: bool = True,
 
 
 def chat_inputs(processor, prompt: str, image_path: str | None = None, chat: bool = True):
-    """Model inputs for one user prompt (and an image file, for a VLM), through the chat template if any."""
+    """Model inputs for one user prompt (and an image file, for a VLM): `chat_template.encode_chat` of it, or,
+    when not `chat` (a text prompt only), the prompt's own tokens."""
     if image_path is not None:
-        try:
-            from PIL import Image
-        except ImportError as error:
-            raise SystemExit("--image needs Pillow: pip install pillow") from error
+        content = [{"type": "image"}, {"type": "text", "text": prompt}]
+        return encode_chat(processor, [{"role": "user", "content": content}], [_open_image(image_path)])
+    if not chat:
+        return text_tokenizer(processor)(prompt, return_tensors="pt")
+    return encode_chat(processor, [{"role": "user", "content": prompt}])
 
-        image = Image.open(image_path).convert("RGB")
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return processor(text=[text], images=[image], return_tensors="pt")
-    tokenizer = getattr(processor, "tokenizer", processor)
-    if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-    return tokenizer(prompt, return_tensors="pt")
+
+def _open_image(path: str):
+    try:
+        from PIL import Image
+    except ImportError as error:
+        raise SystemExit("--image needs Pillow: pip install pillow") from error
+    return Image.open(path).convert("RGB")
 
 
 def is_laspec(name_or_path: str) -> bool:

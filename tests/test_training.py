@@ -395,8 +395,9 @@ class _CharTokenizer:
     pad_token_id = 0
     eos_token_id = None
 
-    def __call__(self, text):
-        return {"input_ids": [8 + ord(c) % 100 for c in text]}
+    def __call__(self, text, return_tensors=None):
+        ids = [8 + ord(c) % 100 for c in text]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
 
 
 def test_build_examples_with_sampled_answers(setup):
@@ -445,12 +446,13 @@ class _ChatTokenizer(_CharTokenizer):
     chat_template = "toy"
     eos_token_id = 7
 
-    def apply_chat_template(self, messages, add_generation_prompt=False, return_dict=False):
+    def apply_chat_template(self, messages, add_generation_prompt=False, return_dict=False, return_tensors=None):
         ids = []
         for message in messages:
             user = message["role"] == "user"
             ids += [1 if user else 2] + self(message["content"])["input_ids"] + [3 if user else 7]
-        return {"input_ids": ids + ([2] if add_generation_prompt else [])}
+        ids += [2] if add_generation_prompt else []
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
 
 
 def test_answered_prompts_are_teacher_forced_not_generated(setup, monkeypatch):

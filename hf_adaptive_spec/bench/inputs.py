@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from .. import loading
+from ..chat_template import encode_chat
 from . import vision as bench_vision
 
 __all__ = ["bench_prompts", "default_prompt_loader", "encode_prompt", "load_model", "resolve_device"]
@@ -47,20 +48,24 @@ def bench_prompts(args, prompt_loader=None) -> list:
 
 
 def encode_prompt(processor, messages: list, device, image=None, dtype=None) -> dict:
-    """`{"input_ids", "attention_mask"}` `(1, T)` of the chat template with the generation prompt.
+    """`{"input_ids", "attention_mask"}` `(1, T)` on `device`: `chat_template.encode_chat` of `messages`.
 
-    A tokenizer without a chat template gets the last message's text. With an `image`, `processor` is a VLM's
-    processor and every input it makes is returned (pixel values in `dtype`: `bench_vision.encode_image_prompt`).
+    With an `image`, `processor` is a VLM's processor and every input it makes is returned, floating ones (pixel
+    values) in `dtype`.
     """
-    if image is not None:
-        return bench_vision.encode_image_prompt(processor, messages, image, device, dtype)
-    tokenizer = bench_vision.text_tokenizer(processor)
-    if getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True)
+    if image is None:
+        encoded = encode_chat(processor, messages)
+        encoded = {key: encoded[key] for key in ("input_ids", "attention_mask") if key in encoded}
     else:
-        encoded = tokenizer(messages[-1]["content"], return_tensors="pt")
-    input_ids = encoded["input_ids"].to(device)
-    attention_mask = encoded.get("attention_mask")
-    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+        encoded = encode_chat(processor, messages, [image])
+    inputs = {key: _to_device(value, device, dtype) for key, value in encoded.items()}
+    if inputs.get("attention_mask") is None:
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    return inputs
+
+
+def _to_device(value, device, dtype):
+    """A tensor on `device` (floating ones in `dtype`, when given); anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device, dtype=dtype if dtype is not None and value.is_floating_point() else None)

@@ -59,6 +59,7 @@ def _long_prompt(tokenizer, length: int):
 
 def _load(spec: dict):
     from .. import loading
+    from ..chat_template import text_tokenizer
 
     target, processor = loading.load_model(spec["target"], spec["dtype"], progress=False)
     if spec["drafter"] == UNTRAINED_LASPEC:
@@ -72,7 +73,7 @@ def _load(spec: dict):
     else:
         drafter = loading.load_drafter(spec["drafter"], target, int8=False, dtype=spec["dtype"])
     device = spec["device"]
-    return target.to(device), drafter.to(device), getattr(processor, "tokenizer", processor)
+    return target.to(device), drafter.to(device), text_tokenizer(processor)
 
 
 def _worker(spec: dict) -> dict:

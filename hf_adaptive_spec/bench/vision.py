@@ -1,4 +1,4 @@
-"""The benchmark's image side: scene prompts, image-prompt encoding, grounded-token acceptance and the
+"""The benchmark's image side: scene prompts, grounded-token acceptance and the
 visual-token sweep of `laspec` (used by `hf_adaptive_spec.bench`, `bench_stats` and `bench_report`; this
 module imports none of them).
 
@@ -19,13 +19,12 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional
 
-import torch
+from ..chat_template import text_tokenizer  # handed on: the concurrency benchmark imports it from here
 
 __all__ = [
     "SCENES",
     "SCENES_DEFAULT_LIMIT",
     "accepted_mask",
-    "encode_image_prompt",
     "grounded_counts",
     "grounded_mask",
     "grounded_table",
@@ -57,29 +56,6 @@ def scene_prompts(limit: Optional[int] = None) -> list:
     count = SCENES_DEFAULT_LIMIT if limit is None else limit
     return [Prompt(scene.id, SCENES, SCENES_CATEGORY, scene_messages(DESCRIBE_REQUEST), image=scene.image)
             for scene in make_scenes("test", count)]
-
-
-def text_tokenizer(processor):
-    """The tokenizer inside a processor (a VLM's), or the tokenizer itself."""
-    return getattr(processor, "tokenizer", processor)
-
-
-def encode_image_prompt(processor, messages: list, image, device, dtype=None) -> dict:
-    """Every model input of one image prompt (`input_ids`, `attention_mask`, `pixel_values`, ...) `(1, ...)`:
-    the processor's chat template with the generation prompt, then the processor on text and image. Floating
-    inputs (pixel values) take `dtype`."""
-    if getattr(processor, "image_processor", None) is None:
-        raise ValueError("a prompt has an image, but the target's processor takes no images (a text model?).")
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    encoded = processor(text=[text], images=[image], return_tensors="pt")
-    inputs = {}
-    for key, value in encoded.items():
-        if isinstance(value, torch.Tensor):
-            value = value.to(device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
-        inputs[key] = value
-    if inputs.get("attention_mask") is None:
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    return inputs
 
 
 # ----------------------------------------------------------------------------

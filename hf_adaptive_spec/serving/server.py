@@ -43,6 +43,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..adapters.compat import text_config, vocab_size
+from ..chat_template import encode_chat, text_tokenizer
 from .chat import ChatRequest, RequestError, SamplingDefaults, TextAssembler, parse_chat_request
 
 __all__ = ["ServerState", "create_app", "serve"]
@@ -118,7 +119,7 @@ class ServerState:
                  max_body_bytes: int = MAX_BODY_BYTES, manage_engine: bool = True):
         self.engine = engine
         self.processor = processor
-        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.tokenizer = text_tokenizer(processor)
         self.model_name = model_name
         # a processor with an image processor takes images; everything goes through the processor then
         self.accepts_images = getattr(processor, "image_processor", None) is not None
@@ -174,20 +175,11 @@ class ServerState:
     # --- requests -----------------------------------------------------------------------------------------
     def encode(self, chat: ChatRequest) -> _Prompt:
         """The templated prompt's ids, and for a processor the other model inputs (runs in a worker thread)."""
-        if self.accepts_images:
-            text = self.processor.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=False)
-            encoded = self.processor(text=[text], images=chat.images or None, return_tensors="pt")
-            input_ids = encoded["input_ids"][0].tolist()
-            extra = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
-            return _Prompt(input_ids, extra or None)
-        encoded = self.tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)
-        input_ids = encoded["input_ids"]
-        if hasattr(input_ids, "tolist"):
-            input_ids = input_ids.tolist()
-        if input_ids and isinstance(input_ids[0], list):  # a batch of one conversation
-            input_ids = input_ids[0]
-        return _Prompt([int(i) for i in input_ids], None)
+        if not self.accepts_images:
+            return _Prompt(encode_chat(self.processor, chat.messages)["input_ids"][0].tolist(), None)
+        encoded = encode_chat(self.processor, chat.messages, chat.images)
+        extra = {key: value for key, value in encoded.items() if key not in ("input_ids", "attention_mask")}
+        return _Prompt(encoded["input_ids"][0].tolist(), extra or None)
 
     def max_new_tokens(self, requested: Optional[int], prompt_tokens: int) -> int:
         """The request's own limit, or the server default cut to what the context leaves; 400 when the prompt

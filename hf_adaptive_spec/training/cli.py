@@ -165,6 +165,7 @@ def image_prompts(path, processor) -> list:
 def scene_prompts(part: slice, processor, seed: int = 0) -> list:
     """`EncodedPrompt`s asking for the description of TRAIN scenes `part` (`hf_adaptive_spec.scenes.dataset`: easy-vqa's
     train images only), encoded with the VLM's processor; the target answers them."""
+    from ..chat_template import encode_chat
     from ..scenes.dataset import DESCRIBE_REQUEST, make_scenes, scene_messages
     from .data import EncodedPrompt
 
@@ -174,9 +175,8 @@ def scene_prompts(part: slice, processor, seed: int = 0) -> list:
         raise ValueError("--data scenes[START:END]: give an END (scenes are generated, there is no whole set) and "
                          "no negative bounds, e.g. 'scenes[:600]'.")
     start = part.start or 0
-    prompt = processor.apply_chat_template(scene_messages(DESCRIBE_REQUEST), add_generation_prompt=True,
-                                           tokenize=False)
-    return [EncodedPrompt(scene.id, dict(processor(text=[prompt], images=[scene.image], return_tensors="pt")))
+    messages = scene_messages(DESCRIBE_REQUEST)
+    return [EncodedPrompt(scene.id, dict(encode_chat(processor, messages, [scene.image])))
             for scene in make_scenes("train", max(0, part.stop - start), seed=seed, start=start)]
 
 
@@ -388,6 +388,7 @@ def run(args) -> int:
     from accelerate import Accelerator
 
     from .. import LaSpecDrafterConfig, LaSpecDrafterModel
+    from ..chat_template import text_tokenizer
     from ..drafters.hub import push_drafter_to_hub
     from .data import build_examples, is_answered, load_examples, save_examples
     from .trainer import TrainConfig, train_drafter
@@ -403,7 +404,7 @@ def run(args) -> int:
     out = Path(args.out)
     torch.manual_seed(args.seed)
     target, processor = _load_target(args.target)
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = text_tokenizer(processor)
     target = target.to(accelerator.device).eval().requires_grad_(False)
     drafter_config = LaSpecDrafterConfig.for_target(target, block_size=args.block_size,
                                                     num_hidden_layers=args.layers,

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..adapters.compat import cache_argument
+from ..chat_template import encode_chat
 from ..drafters.laspec import gather_target_hidden
 
 __all__ = ["DrafterExample", "EncodedPrompt", "build_examples", "answer_token_counts", "frequent_tokens", "examples_from_sequences", "load_examples", "save_examples"]
@@ -38,16 +39,6 @@ class EncodedPrompt:
 
     id: str
     inputs: dict
-
-
-def encode_chat_prompt(tokenizer, messages: list) -> torch.Tensor:
-    """`(S,)` ids of `messages` in the tokenizer's chat template with the generation prompt (without a template:
-    the last message's text)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(messages[-1]["content"])["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def left_padded(encoded: list, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,7 +261,8 @@ def build_examples(target, tokenizer, layer_ids: list[int], prompts=(), texts=()
     prompts = [prompt for prompt in prompts if not is_answered(prompt)]
     answerer = target if generate_dtype is None or generate_dtype == target.dtype or not (prompts or encoded_prompts) \
         else copy.deepcopy(target).to(generate_dtype)  # no copy when nothing is generated
-    all_encoded = [(prompt, encode_chat_prompt(tokenizer, getattr(prompt, "messages", prompt))) for prompt in prompts]
+    all_encoded = [(prompt, encode_chat(tokenizer, getattr(prompt, "messages", prompt))["input_ids"][0])
+                   for prompt in prompts]
     all_encoded.sort(key=lambda pair: len(pair[1]))  # similar lengths batch together: less padding
     bar = tqdm(total=len(all_encoded) + len(encoded_prompts) + len(texts) + len(answered), desc="target data",
                disable=not progress)

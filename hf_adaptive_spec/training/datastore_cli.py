@@ -61,11 +61,12 @@ def answer_prompts(model, tokenizer, prompts: list, max_new_tokens: int, batch_s
     is called after every batch (to keep a cache file current)."""
     from tqdm.auto import tqdm
 
-    from .data import cut_at_eos, encode_chat_prompt, left_padded
+    from ..chat_template import encode_chat
+    from .data import cut_at_eos, left_padded
 
     answers = dict(cache or {})
     todo = [prompt for prompt in prompts if prompt.id not in answers]
-    encoded = [encode_chat_prompt(tokenizer, prompt.messages) for prompt in todo]
+    encoded = [encode_chat(tokenizer, prompt.messages)["input_ids"][0] for prompt in todo]
     order = sorted(range(len(todo)), key=lambda i: len(encoded[i]))  # similar lengths batch together
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     bar = tqdm(total=len(todo), desc="answers", disable=not progress or not todo)
@@ -84,6 +85,7 @@ def answer_prompts(model, tokenizer, prompts: list, max_new_tokens: int, batch_s
 
 
 def run(args) -> int:
+    from ..chat_template import text_tokenizer
     from ..loading import load_model, resolve_path as _resolve_path
     from ..drafters.datastore import DATASTORE_FILE, TokenDatastore
     from ..drafters.hub import describe_datastore, is_laspec_folder
@@ -117,7 +119,7 @@ def run(args) -> int:
     if args.cached_only and cache_path is None:
         raise SystemExit("--cached-only needs --answers-cache.")
     model, processor = load_model(str(_resolve_path(args.target)))
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = text_tokenizer(processor)
 
     def save(answers):
         if cache_path is not None:

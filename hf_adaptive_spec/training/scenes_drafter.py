@@ -60,12 +60,6 @@ def tower_features(vlm, pixel_values: torch.Tensor) -> torch.Tensor:
     return out.hidden_states[vlm.config.vision_feature_layer][:, 1:]
 
 
-def _prompt(processor, request: str) -> str:
-    from ..scenes.dataset import scene_messages
-
-    return processor.apply_chat_template(scene_messages(request), add_generation_prompt=True, tokenize=False)
-
-
 @torch.no_grad()
 def make_drafter_data(target, processor, scenes: list, config: DrafterTrainConfig, progress: bool = True) -> list:
     """One record per scene: `ids` (prompt + the target's greedy answer, end-of-turn included), `prompt_length`,
@@ -74,9 +68,10 @@ def make_drafter_data(target, processor, scenes: list, config: DrafterTrainConfi
     from transformers import DynamicCache
 
     from ..adapters.compat import cache_argument, text_config
+    from ..chat_template import chat_text
     from ..drafters.vision import QueryCapture, VisualKeyStore, select_visual_tokens
     from ..drafters.visual_view import image_token_mask, selection_layers
-    from ..scenes.dataset import DESCRIBE_REQUEST
+    from ..scenes.dataset import DESCRIBE_REQUEST, scene_messages
 
     rng = random.Random(f"scenes-drafter/{config.seed}")
     tokenizer = processor.tokenizer
@@ -93,8 +88,8 @@ def make_drafter_data(target, processor, scenes: list, config: DrafterTrainConfi
             chunk = scenes[first : first + config.generate_batch]
             requests = [DESCRIBE_REQUEST if rng.random() >= config.question_fraction
                         else scene.questions[rng.randrange(len(scene.questions))][0] for scene in chunk]
-            inputs = processor(text=[_prompt(processor, r) for r in requests], images=[s.image for s in chunk],
-                               return_tensors="pt", padding=True)
+            inputs = processor(text=[chat_text(processor, scene_messages(r)) for r in requests],
+                               images=[s.image for s in chunk], return_tensors="pt", padding=True)
             cache = DynamicCache(config=target.config)
             with QueryCapture(target, layers) as capture:
                 capture.keep_prompt_keys = True

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..chat_template import chat_text, encode_chat
 from ..scenes.dataset import COLORS, DESCRIBE_REQUEST, POSITIONS, SHAPES, make_scenes, scene_messages
 
 __all__ = ["QuadrantHeads", "VLMTrainConfig", "evaluate_scenes", "parse_description", "train_scenes_vlm"]
@@ -163,8 +164,7 @@ def _lm_batch(processor, scenes: list, rng: random.Random, describe_fraction: fl
             request, answer = DESCRIBE_REQUEST, scene.description
         else:
             request, answer = scene.questions[rng.randrange(len(scene.questions))]
-        prompts.append(processor.apply_chat_template(scene_messages(request), add_generation_prompt=True,
-                                                     tokenize=False))
+        prompts.append(chat_text(processor, scene_messages(request)))
         answers.append(answer + "<|im_end|>")
     texts = [p + a for p, a in zip(prompts, answers)]
     side = tokenizer.padding_side
@@ -217,13 +217,11 @@ def evaluate_scenes(model, processor, scenes: list, max_new_tokens: int = 48, bl
     from PIL import Image
 
     model.eval()
-    prompt = processor.apply_chat_template(scene_messages(DESCRIBE_REQUEST), add_generation_prompt=True,
-                                           tokenize=False)
     color = shape = whole = 0
     samples = []
     for scene in scenes:
         image = Image.new("RGB", scene.image.size, (255, 255, 255)) if blank else scene.image
-        inputs = processor(text=[prompt], images=[image], return_tensors="pt")
+        inputs = encode_chat(processor, scene_messages(DESCRIBE_REQUEST), [image])
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         text = processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         read = parse_description(text)

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import hf_adaptive_spec
-from hf_adaptive_spec.bench.vision import encode_image_prompt
+from hf_adaptive_spec.bench.inputs import encode_prompt
 from hf_adaptive_spec.loading import resolve_path
 from hf_adaptive_spec.scenes.dataset import DESCRIBE_REQUEST, make_scenes, scene_messages
 
@@ -28,7 +28,7 @@ drafter = AutoModelForImageTextToText.from_pretrained(resolve_path("scenes-vlm-d
                                                       attn_implementation="sdpa").eval()
 step, drafted = [], []
 for scene in make_scenes("test", args.scenes):
-    inputs = encode_image_prompt(processor, scene_messages(DESCRIBE_REQUEST), scene.image, "cpu")
+    inputs = encode_prompt(processor, scene_messages(DESCRIBE_REQUEST), "cpu", scene.image)
     best_step = best_draft = float("inf")
     for _ in range(3):
         out = target.generate(**inputs, max_new_tokens=64, do_sample=False, spec_strategy="plain",
