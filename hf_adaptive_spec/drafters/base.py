@@ -4,12 +4,12 @@ LaSpec block drafter both implement.
 A round, as the loop runs it::
 
     with drafter.prefill_scope(input_ids):     # around the target's prefill (e.g. capture its queries)
-        outputs = target prefill                # with hidden states if drafter.needs_target_states
+        outputs = target prefill                # recording the entries drafter.target_states(prefill=True) names
     drafter.start(TargetPrefill(...))           # the drafter's own prefill
     loop:
         tree = drafter.draft(strategy, ...)     # DraftTree, node 0 = the pending root
         with drafter.verify_scope():            # around the target's verification forward
-            outputs = target tree forward
+            outputs = target tree forward       # recording the entries drafter.target_states() names
         drafter.finish_round(VerifiedRound(...))  # keep what was accepted
 """
 
@@ -35,7 +35,8 @@ class TargetPrefill:
         slot_valid (`(B, S)` bool): True at real (not padding) prompt slots.
         raw_inputs (dict): the processor's other inputs (pixel values, image grids) for a VLM drafter.
         cache: the target's KV cache after the prefill.
-        hidden_states (tuple or None): the target's hidden states, if the drafter `needs_target_states`.
+        hidden_states (tuple or None): the target's hidden-state entries the drafter reads
+            (`Drafter.target_states(prefill=True)`); None when it reads none.
         first_token (`(B,)`): the first generated token, the pending root of round 1.
     """
 
@@ -58,7 +59,7 @@ class VerifiedRound:
         accept_length (`(B,)`): accepted draft tokens per row.
         bonus (`(B,)`): the target's next token per row (the next pending root).
         hidden_states (tuple, dict or None): the target's hidden states at every tree node, the entries the drafter
-            reads (`Drafter.target_states`), if it `needs_target_states`.
+            reads (`Drafter.target_states()`); None when it reads none.
     """
 
     tree: DraftTree
@@ -72,7 +73,6 @@ class Drafter:
     """Base class of the loop's drafters.
 
     Class attributes (what the loop arranges around the drafter):
-        needs_target_states: the target's prefill and verification forwards return hidden states for it.
         may_pause: a round may verify the pending root alone when drafting does not pay (the cost rule's
             `pause_drafting`; its rates are then observed every round).
         prices_levels: drafting runs one forward per tree level, so a greedy cost-aware round may stop
@@ -81,7 +81,6 @@ class Drafter:
         tree_forwards: its own forwards run under tree masks (tree attention is installed on it too).
     """
 
-    needs_target_states: bool = False
     may_pause: bool = False
     prices_levels: bool = False
     compact_weights: bool = False
@@ -100,7 +99,7 @@ class Drafter:
 
     def target_states(self, prefill: bool = False) -> tuple | None:
         """The target's hidden-state entries this drafter reads (numbered like `outputs.hidden_states`) from the
-        prefill (`prefill`) or a verification forward; None: none (`needs_target_states` False)."""
+        prefill (`prefill`) or a verification forward; None: none, and the target's forwards record no states."""
         return None
 
     def prefill_scope(self, input_ids: torch.Tensor):

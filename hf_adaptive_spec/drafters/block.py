@@ -87,7 +87,6 @@ class BlockDrafter(Drafter):
             with host lists (`host_tree`: the same tree, without ~40 small tensor ops per level).
     """
 
-    needs_target_states = True  # its context is the target's states, taken from the verification forward
     may_pause = True
     compact_weights = True
 
