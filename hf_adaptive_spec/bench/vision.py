@@ -1,8 +1,8 @@
-"""The benchmark's image side: scene prompts, grounded-token acceptance and the
-visual-token sweep of `laspec` (used by `hf_adaptive_spec.bench`, `bench_stats` and `bench_report`; this
-module imports none of them).
+"""The benchmark's image side: scene prompts, grounded-token acceptance and the visual-token sweep of `laspec`
+(used by the other benchmark modules, `bench.run`, `bench.stats` and `bench.report` among them; this module
+imports none of them).
 
-Grounded tokens: a scene's description names colours and shapes (`scenes.grounded_words`) that only the image
+Grounded tokens: a scene's description names colours and shapes (`scenes.dataset.grounded_words`) that only the image
 decides. A generated token is *grounded* when its decoded characters overlap such a word (whole words,
 case-insensitive) in the decoded answer; every other token is *other*. For a speculative run at batch 1 each
 token is either a drafted-and-accepted one or one the target made (the prefill token, and each round's bonus or

@@ -48,7 +48,7 @@ class StrategyConfig:
     `generate` accepts as `spec_config` as is (`from_dict` rebuilds the object).
 
     How rounds run (the CPU kernel, the lean forward, row retirement, ...) is not a strategy's setting: it goes
-    in `spec_runtime` (`decoding.runtime.RuntimeConfig`), beside `spec_config`.
+    in `spec_runtime` (`runtime.RuntimeConfig`), beside `spec_config`.
     """
 
     def __post_init__(self):

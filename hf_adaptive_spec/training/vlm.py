@@ -258,7 +258,7 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
     :func:`~hf_adaptive_spec.scenes.vlm.merge_language_lora`.
 
     Args:
-        model: the scenes VLM (`scenes_vlm.build_scenes_vlm`).
+        model: the scenes VLM (`scenes.vlm.build_scenes_vlm`).
         processor: its processor.
         config ([`VLMTrainConfig`]).
         out_dir (path, *optional*): checkpoints (`checkpoint-N/`) go here.

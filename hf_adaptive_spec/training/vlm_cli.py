@@ -2,7 +2,7 @@
 
     hf-adaptive-spec train-vlm --out runs/scenes-vlm
 
-Writes `trained_parts.safetensors` + `training_info.json` to `--out` (what `scenes_vlm.fetch_scenes_vlm`
+Writes `trained_parts.safetensors` + `training_info.json` to `--out` (what `scenes.vlm.fetch_scenes_vlm`
 assembles with SmolLM2 into a full checkpoint), and `--out/model/`, the assembled HF folder, with `--assemble`.
 Runs on one CPU as is, or with `accelerate launch -m hf_adaptive_spec.cli train-vlm ...`.
 """
