@@ -1,4 +1,5 @@
-"""Verifier cost profile and the marginal-cost criterion (Uni-LaSpec, PAPERS.md section 2).
+"""Verifier cost profile and the marginal-cost criterion (Uni-LaSpec, docs/algorithms.md section 2,
+"Verifying what pays").
 
 On a GPU at low load, verifying 16 tokens costs about what verifying 1 does;
 on a 2-core CPU with torch's linear the cost jumps once the forward leaves the

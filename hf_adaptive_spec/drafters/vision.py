@@ -1,4 +1,4 @@
-"""Visual token selection for the LaSpec drafter (PAPERS.md section 2, "Seeing what matters").
+"""Visual token selection for the LaSpec drafter (docs/algorithms.md section 2, "Seeing what matters").
 
 Three model-agnostic pieces:
 

@@ -115,7 +115,7 @@ def compact_kv_(tensors: list[torch.Tensor], keep_index: torch.Tensor, start: in
 
 
 def sage_confidence(logits: torch.Tensor, top_k: int = 10) -> torch.Tensor:
-    """SAGE confidence alpha = 1 - H(top-k renormalised) / log k (PAPERS.md Eq. 7-9).
+    """SAGE confidence alpha = 1 - H(top-k renormalised) / log k (docs/algorithms.md section 1, Eq. 7-9).
 
     Args:
         logits (`torch.FloatTensor` of shape `(B, V)`): processed drafter logits.

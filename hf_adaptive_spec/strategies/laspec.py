@@ -1,4 +1,5 @@
-"""`laspec`: the LaSpec block drafter's proposals, verified as far as they pay (Uni-LaSpec, PAPERS.md section 2).
+"""`laspec`: the LaSpec block drafter's proposals, verified as far as they pay (Uni-LaSpec, docs/algorithms.md
+section 2).
 
 One drafter forward gives the distribution of each of the next `block_size`
 tokens. The candidate tree offers every node of depth d the top-`top_k` tokens

@@ -1,4 +1,4 @@
-"""`sage`: trees shaped per round by the drafter's entropy (SAGE, arXiv 2602.00523; PAPERS.md section 1).
+"""`sage`: trees shaped per round by the drafter's entropy (SAGE, arXiv 2602.00523; docs/algorithms.md section 1).
 
 Confident drafter (alpha near 1): deep and narrow. Unsure (alpha near 0):
 shallow and wide. Every row of a batch has its own alpha, depth and history.

@@ -1,5 +1,6 @@
-"""The acceptance-aware training loss of LaSpec drafters (Uni-LaSpec, PAPERS.md section 2): each block position's
-cross-entropy weighted by the chance that drafting reaches it."""
+"""The acceptance-aware training loss of LaSpec drafters (Uni-LaSpec, docs/algorithms.md section 2,
+"Acceptance-aware training"): each block position's cross-entropy weighted by the chance that drafting
+reaches it."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def acceptance_aware_loss(
     accept_probs: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Acceptance-weighted cross-entropy L = sum_k w_k CE_k / sum_k w_k (PAPERS.md section 2).
+    """Acceptance-weighted cross-entropy L = sum_k w_k CE_k / sum_k w_k (docs/algorithms.md section 2).
 
     The sums run over the batch and the block together, so a row whose draft survives longer contributes
     more positions. Labels equal to -100 are ignored like a False `mask`.

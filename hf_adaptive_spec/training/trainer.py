@@ -2,9 +2,9 @@
 
 Each step takes `batch_sequences` sequences and `anchors` random block anchors in each; all blocks of a
 sequence run in ONE drafter forward (`forward_block(..., block_length=B)`: a block sees the target states
-before its anchor, and itself causally). The loss is the acceptance-aware cross-entropy of PAPERS.md section 2
-(`loss="acceptance"`) or plain cross-entropy (`loss="ce"`), over block positions whose prefix is the target's
-own greedy continuation.
+before its anchor, and itself causally). The loss is the acceptance-aware cross-entropy of docs/algorithms.md
+section 2 (`loss="acceptance"`) or plain cross-entropy (`loss="ce"`), over block positions whose prefix is the
+target's own greedy continuation.
 
 The same code runs on one CPU or under `accelerate launch` on several GPUs (the drafter and optimizer go
 through `Accelerator.prepare`; the frozen target stays outside it, on each process's device).

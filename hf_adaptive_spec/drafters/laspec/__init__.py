@@ -1,4 +1,4 @@
-"""The LaSpec block drafter (Uni-LaSpec, PAPERS.md section 2): its configuration, layers and model, what it
+"""The LaSpec block drafter (Uni-LaSpec, docs/algorithms.md section 2): its configuration, layers and model, what it
 reads of the target (`context`), the target's embedding and LM head it uses (`target`), and its draft
 vocabulary (`vocabulary`). `register_auto_classes` lets `AutoConfig` / `AutoModel` load "laspec_drafter"
 folders."""
