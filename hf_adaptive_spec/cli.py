@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 import time
+
+from .chat_template import text_tokenizer
 from .loading import chat_inputs as _chat_inputs, load_drafter, load_model, resolve_path as _resolve_path  # noqa: F401
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -118,7 +120,7 @@ def cmd_generate(args) -> int:
     drafter = load_drafter(args.drafter, target, args.drafter_int8, args.dtype)
     target.generation_config.do_sample = False
     inputs = _chat_inputs(processor, args.prompt, args.image, chat=not args.no_chat_template)
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = text_tokenizer(processor)
     return _generate_and_compare(target, drafter, inputs, tokenizer, args.strategy, _spec_config(args.spec_config),
                                  args.max_new_tokens, compare=args.compare)
 

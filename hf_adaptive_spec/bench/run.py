@@ -51,6 +51,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import loading
+from ..chat_template import text_tokenizer
 from ..drafters.quantize import quantize_drafter
 from . import vision as bench_vision
 from .inputs import bench_prompts, default_prompt_loader, encode_prompt, load_model, resolve_device
@@ -146,7 +147,7 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
 
     load_start = time.perf_counter()
     target, processor = model_loader(args.target, args, "target")
-    tokenizer = bench_vision.text_tokenizer(processor)
+    tokenizer = text_tokenizer(processor)
     if laspec:  # a LaSpec drafter runs on the target's own states, embedding and LM head
         from ..drafters.hub import load_drafter
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import traffic
+from ..chat_template import text_tokenizer
 from ..cost import SpecCalibration
 from .batch_runs import LoadMethod, load_methods
 
@@ -341,7 +342,7 @@ def run(args) -> int:
     laspec = is_laspec(args.drafter)
     adaptive = args.strategies or (["laspec"] if laspec else ["sage"])
     target, processor = load_model(args.target)
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = text_tokenizer(processor)
     drafter = load_drafter(args.drafter, target, args.drafter_int8)
     block_size = getattr(getattr(drafter, "config", None), "block_size", None) if laspec else None
     methods = served_methods(laspec, adaptive, chains, trees, block_size)
