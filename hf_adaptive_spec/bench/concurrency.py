@@ -81,7 +81,7 @@ from .concurrency_sweep import best_fixed, run_load_sweep
 from .report import describe, environment, jsonable, now
 from .inputs import load_model
 from .run import command_line
-from .vision import text_tokenizer
+from ..chat_template import text_tokenizer
 
 __all__ = [
     "ARRIVAL_KINDS",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional
 
-from ..chat_template import text_tokenizer  # handed on: the concurrency benchmark imports it from here
 
 __all__ = [
     "SCENES",
@@ -34,7 +33,6 @@ __all__ = [
     "sweep_methods",
     "sweep_rows",
     "sweep_table",
-    "text_tokenizer",
 ]
 
 SCENES = "scenes"

@@ -1,4 +1,4 @@
-"""Uni-LaSpec block-parallel drafter (PAPERS.md section 2).
+"""Uni-LaSpec block-parallel drafter (docs/algorithms.md section 2).
 
 One forward proposes a whole block of `block_size` tokens. The query block is
 `[last accepted token, MASK, ..., MASK]` at text positions `p, p+1, ...`; the
