@@ -131,7 +131,7 @@ def test_cost_rule_trims_trees_and_output_stays_exact(arch, monkeypatch):
     expected = target.generate(**inputs, max_new_tokens=20, do_sample=False)
     # verifying more than 2 new tokens (root + 1 draft) costs 100 steps: only one draft token can pay
     steep = CostProfile(sizes=[1, 2, 3], seconds=[1.0, 1.0, 100.0])
-    config = SageConfig(d_min=4, d_max=4, w_min=1, w_max=2, n_max=8, theta_scale=0.0, verify_cost=True)
+    config = SageConfig(d_min=4, d_max=4, w_min=1, w_max=2, n_max=8, theta_scale=0.0, verify_cost=True, plan=False)
     out = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=drafter,
                           spec_strategy="sage", spec_config=config, return_dict_in_generate=True,
                           spec_calibration=cost.SpecCalibration(steep))

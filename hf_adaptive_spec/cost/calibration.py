@@ -116,6 +116,7 @@ class Calibration:
     lookup: LookupCalibrator
     scale: float = 1.0
     profile: CostProfile | None = None  # what `scale` is relative to
+    depths: object = None  # `planning.DepthAcceptance` of planned rounds (made by the first one)
 
     @classmethod
     def fresh(cls, device=None) -> "Calibration":

@@ -33,6 +33,7 @@ class DraftPricing:
         self._fixed = draft_seconds
         self._measured: dict[int, float] = {}
         self.stopped_levels = 0  # levels not drafted because they would not pay (for statistics)
+        self.round_levels = 0.0  # seconds of this round's drafter levels so far (`take_round_levels`)
 
     def draft_seconds(self, width: int) -> float:
         if self._fixed is not None:
@@ -49,9 +50,15 @@ class DraftPricing:
         self._measured = {}
 
     def observe_draft(self, width: int, seconds: float) -> None:
-        """One drafter forward over `width` expanded children took `seconds`."""
+        """One drafter level over `width` expanded children took `seconds` (its forward and its tree work)."""
+        self.round_levels += seconds
         previous = self._measured.get(width)
         self._measured[width] = seconds if previous is None else previous + self.SMOOTHING * (seconds - previous)
+
+    def take_round_levels(self) -> float:
+        """Seconds of the drafter levels of the round that just ended; the next round counts from 0."""
+        seconds, self.round_levels = self.round_levels, 0.0
+        return seconds
 
     def survival(self, parent_survival: torch.Tensor, level) -> torch.Tensor:
         """`(B, W)` pi of the level's children: their parent's pi times their calibrated acceptance."""

@@ -23,6 +23,7 @@ from .acceptance import sample_accept
 from ..adapters.attention import tree_attention
 from ..adapters.compat import cache_from_kwargs, check_cache, check_model, check_pair
 from ..cost import CostModel, DraftPricing, SpecCalibration, verifier_cost_profile
+from ..cost.planning import DepthAcceptance, RoundPlanner
 from ..drafters.base import TargetPrefill, VerifiedRound
 from ..drafters.factory import make_drafter
 from .final_cache import CACHE_FIELD, commit_last_round, returned_cache
@@ -257,8 +258,30 @@ class Decoding:
                               timed=not fixed, rows=self.batch_size, packed=self.target.lean, pauses=pauses)
         if self.drafter.prices_levels and self.cost.live_scale:  # drafting is priced too (host times are real)
             self.pricing = DraftPricing(self.cost)
+        if self.strategy.plans:
+            self.strategy.plan_with(self._planner())
         self.stats.time_profile += self.clock.lap()
         self.stats.time_setup += self.stats.time_profile
+
+    def _planner(self) -> RoundPlanner:
+        """The round planner over the strategy's candidate shapes: the target's acceptance per depth (learned in
+        earlier calls of this pair and setting when a `SpecCalibration` carries them), verification on the cost
+        curve, drafter levels at their measured time (none for a drafter that drafts every depth in one
+        forward)."""
+        shapes = self.strategy.candidate_shapes()
+        depth = max(len(p) for shape in shapes for p in shape)
+        ranks = max(max(p) for shape in shapes for p in shape) + 1
+        cost, pricing = self.cost, self.pricing
+        depths = cost.calibration.depths
+        if depths is None or depths.accepted.shape[1:] != (depth, ranks):
+            depths = cost.calibration.depths = DepthAcceptance(depth, ranks)
+
+        def verify_seconds(nodes: int) -> float:
+            table = cost.host_table
+            return cost.scale * table[min(nodes, len(table) - 1)]
+
+        level_seconds = pricing.draft_seconds if pricing is not None else (lambda width: 0.0)
+        return RoundPlanner(shapes, depths, verify_seconds, level_seconds)
 
     def _cost_profile(self):
         """The verifier's cost curve for the batch as it is now (a fixed one if the calibration carries it)."""
@@ -289,11 +312,21 @@ class Decoding:
             round_seconds = clock.now() - round_start
             tokens = accepted.counts.sum()
             self.cost.observe(tree, accepted.choice, round_seconds, tokens, verify_seconds)  # greedy: choice set
+            if self.strategy.plans and not paused:
+                self._observe_plan(tree, accepted.choice, round_seconds, verify_seconds)
             if self.drafter.may_pause and self.cost.live_scale:  # host times are real (CPU): reading costs nothing
                 self.cost.observe_rate(not paused, round_seconds, int(tokens))
         if self.retired is not None and finished and finished >= RetiredRows.LEAVE_AT * self.batch_size:
             self._retire()
         return result
+
+    def _observe_plan(self, tree, choice: torch.Tensor, round_seconds: float, verify_seconds: float) -> None:
+        """What a planned round teaches its planner: the target's acceptance per depth, the round's time."""
+        planner = self.strategy.planner
+        planner.acceptance.observe(tree, choice, self.strategy.alpha)
+        levels = self.pricing.take_round_levels() if self.pricing is not None else 0.0
+        if self.cost.timed:  # a fixed curve prices rounds as given (`SpecCalibration(cost_profile=...)`)
+            planner.observe_round(round_seconds, levels, verify_seconds)
 
     def _retire(self) -> None:
         """Finished rows leave the batch (once they are `RetiredRows.LEAVE_AT` of it: each exit copies the

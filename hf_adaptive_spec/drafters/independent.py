@@ -15,6 +15,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from .. import clock
 from ..adapters.compat import MULTIMODAL_KEYS, cache_argument, check_cache
 from ..adapters.runner import ModelRunner, left_pad
 from ..strategies import Frontier
@@ -188,6 +189,7 @@ class IndependentDrafter(Drafter):
         level = 0
         while True:
             level += 1
+            level_start = clock.now()
             chosen = choose_level(strategy, level, frontier, frontier_nodes, frontier_logits, k, max_depth, builder,
                                   sample, generator)
             if chosen is None:
@@ -215,12 +217,11 @@ class IndependentDrafter(Drafter):
             block_parents = torch.where(chosen.grow_valid, frontier_slots.gather(1, grow_parent), -1)
             tail_parents = torch.cat([tail_parents, block_parents], dim=1)
             tail_valid = torch.cat([tail_valid, chosen.grow_valid], dim=1)
-            before = runner.model_time
             output = runner.forward(block_tokens, tail_parents, tail_valid)
-            if pricing is not None:
-                pricing.observe_draft(chosen.num_grow, runner.model_time - before)
             frontier_logits = process(output.logits.float(), frontier_paths, torch.full_like(block_tokens, level),
                                       chosen.grow_valid)
+            if pricing is not None:  # the level's whole time: its choice, its tree work and its forward
+                pricing.observe_draft(chosen.num_grow, clock.now() - level_start)
             frontier_slots = tail_length + torch.arange(chosen.num_grow, device=device)[None, :].expand(batch, -1)
         self._num_pending = num_pending
         self._drafted = True

@@ -237,6 +237,12 @@ class Strategy:
         raise NotImplementedError
 
     @property
+    def plans(self) -> bool:
+        """True if each round's tree is chosen among candidate shapes by expected tokens per second: the loop then
+        hands the strategy a `cost.planning.RoundPlanner` over `candidate_shapes()` (`plan_with`)."""
+        return False
+
+    @property
     def shared_budget(self) -> int | None:
         """n_max when `select` takes, level by level, the candidates of highest path probability until n_max
         draft nodes are taken (greedy `limit_to_budget` over every candidate, nothing else): then a block

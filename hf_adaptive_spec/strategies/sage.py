@@ -2,6 +2,11 @@
 
 Confident drafter (alpha near 1): deep and narrow. Unsure (alpha near 0):
 shallow and wide. Every row of a batch has its own alpha, depth and history.
+
+With the cost rule (greedy, `verify_cost`) and `plan` on, each row's tree is chosen per round among candidates by
+expected accepted tokens per second of round time (`cost.planning`): chains of every depth up to the depth cap
+(the one the `chain` strategy would draft among them), SAGE's own tree for the row's alpha, and the static
+tree; alpha is the confidence the measured acceptance is looked up by.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from .static_tree import candidate_shapes, default_tree_paths, shape_tables
 from .base import (
     Strategy,
     StrategyConfig,
@@ -55,6 +61,8 @@ class SageConfig(StrategyConfig):
         adaptive_history (`bool`): enable the D_max adaptation (True).
         verify_cost (`bool`): under greedy decoding, trim each drafted tree to the nodes that pay for their
             verification on the measured cost curve of the target (`hf_adaptive_spec.cost`; GPU False, CPU True).
+        plan (`bool`): with `verify_cost` under greedy decoding, draft each round the candidate tree of highest
+            expected tokens per second (see the module docstring; True). False: SAGE's rule alone.
         visual_tokens (`int`, *optional*), visual_selection (`str`): how many of the image's visual tokens an
             independent VLM drafter sees, and when the target's attention picks them ("prefill" or "round"; see
             `strategies.base.VISUAL_FIELDS_DOC`). None: the whole image.
@@ -76,6 +84,7 @@ class SageConfig(StrategyConfig):
     depth_cap: int | None = None
     adaptive_history: bool = True
     verify_cost: bool | None = None
+    plan: bool = True
     visual_tokens: int | None = None
     visual_selection: str = "prefill"
 
@@ -104,6 +113,7 @@ class SageConfig(StrategyConfig):
         check_choice(self, "alpha_source", ALPHA_SOURCES)
         check_bool(self, "adaptive_history")
         check_bool(self, "verify_cost")
+        check_bool(self, "plan")
         check_order(self, "d_min", "d_max")
         check_order(self, "d_min", "depth_cap")
         check_order(self, "w_min", "w_max")
@@ -129,7 +139,7 @@ class SageStrategy(Strategy):
         which drafting paused change nothing; with the previous root's, each round plans the next."""
         return self.config.alpha_source == "current_root"
 
-    row_state = ("alpha", "next_alpha", "d_max", "history", "history_count", "nodes_used")
+    row_state = ("alpha", "next_alpha", "d_max", "history", "history_count", "nodes_used", "choice")
 
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
@@ -140,10 +150,36 @@ class SageStrategy(Strategy):
         self.history = torch.zeros(batch_size, c.history_window, device=device)
         self.history_count = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.nodes_used = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.planner = None
+        self.choice = torch.zeros(batch_size, dtype=torch.long, device=device)  # each row's planned candidate
+
+    @property
+    def plans(self) -> bool:
+        """Whether rounds are planned (`plan_with`): greedy, with the cost rule."""
+        return self.config.plan and self.cost_aware and not self.sampling
+
+    def candidate_shapes(self) -> list:
+        """The shapes a planned round chooses among: chains of every depth up to the depth cap, SAGE's tree at
+        each alpha bin's centre, and the static tree, within the node budget."""
+        c = self.config
+        static = default_tree_paths(24, 6) if on_gpu(self.device) else default_tree_paths(6, 5)
+        extra = [sage_shape(c, (b + 0.5) / 10) for b in range(10)] + [static]
+        return candidate_shapes(c.depth_cap, c.n_max, extra)
+
+    def plan_with(self, planner) -> None:
+        """Choose each row's tree with `planner` (`cost.planning.RoundPlanner`) from now on."""
+        self.planner = planner
+        self._plan_children = max(max(p) for shape in planner.shapes for p in shape) + 1
+        tables = [shape_tables(shape, self._plan_children, self.device) for shape in planner.shapes]
+        depth = max(len(takes) for takes, _ in tables)
+        self._plan_tables = [(_stack_level([t[0][level] if level < len(t[0]) else None for t in tables]),
+                              _stack_level([t[1][level] if level < len(t[1]) else None for t in tables]))
+                             for level in range(depth)]
 
     @property
     def max_children(self):
-        return int(round(self.config.w_max))
+        width = int(round(self.config.w_max))
+        return width if self.planner is None else max(width, self._plan_children)
 
     def depth(self) -> torch.Tensor:
         """Eq. 10: D(alpha) = D_min + alpha (D_max - D_min), per row."""
@@ -162,11 +198,18 @@ class SageStrategy(Strategy):
             self.alpha = self.next_alpha
             self.next_alpha = confidence
         self.nodes_used.zero_()
+        if self.planner is not None:
+            self.choice = self.planner.choose(self.alpha).to(self.alpha.device)
 
     def round_values(self):
-        return {"alpha": self.alpha}  # the confidence that shaped each row's tree
+        values = {"alpha": self.alpha}  # the confidence that shaped each row's tree
+        if self.planner is not None:
+            values["candidate"] = self.choice
+        return values
 
     def select(self, level, frontier, candidate_probs):
+        if self.planner is not None:
+            return self._planned(level, frontier, candidate_probs)
         c = self.config
         batch, width, k = candidate_probs.shape
         depth = self.depth()  # (B,)
@@ -187,6 +230,20 @@ class SageStrategy(Strategy):
         expand = take & (score > theta[:, None, None]) & (level < depth)[:, None, None]
         return take, expand
 
+    def _planned(self, level, frontier, candidate_probs):
+        """`(take, expand)` of each row's planned candidate at `level`."""
+        batch, width, k = candidate_probs.shape
+        empty = torch.zeros_like(candidate_probs, dtype=torch.bool)
+        if level > len(self._plan_tables):
+            return empty, empty
+        takes, expands = self._plan_tables[level - 1]
+        rows, ranks = min(width, takes.shape[1]), min(k, takes.shape[2])
+        take, expand = empty.clone(), empty.clone()
+        take[:, :rows, :ranks] = takes[self.choice, :rows, :ranks]
+        expand[:, :rows, :ranks] = expands[self.choice, :rows, :ranks]
+        valid = frontier.valid[..., None]
+        return take & valid, expand & valid
+
     def observe(self, accept_length, active):
         c = self.config
         if not c.adaptive_history:
@@ -198,3 +255,39 @@ class SageStrategy(Strategy):
         mean = self.history.mean(-1)
         step = torch.where(mean < c.history_low, -1.0, torch.where(mean > c.history_high, 1.0, 0.0))
         self.d_max = torch.where(full & active, (self.d_max + step).clamp(c.d_min + 1, c.depth_cap), self.d_max)
+
+
+def sage_shape(config, alpha: float) -> list[tuple]:
+    """SAGE's tree (Eq. 10-12) for a row of confidence `alpha`, with each node's drafter probability taken as a
+    prior (the top token 0.3 + 0.6 alpha, each lower rank a third of the one above): rank paths within the node
+    budget and `config.d_max`."""
+    c = config
+    depth = round(c.d_min + alpha * (c.d_max - c.d_min))
+    width = c.w_min + (1.0 - alpha) * (c.w_max - c.w_min)
+    top = 0.3 + 0.6 * alpha
+    paths, frontier = [], [((), 1.0, 1.0)]  # (path, node probability, path probability)
+    for level in range(1, depth + 1):
+        grown = []
+        for path, prob, cum in frontier:
+            children = width if level == 1 else width * (1.0 / level) * (0.5 + prob)
+            for rank in range(max(1, min(round(children), c.top_k))):
+                child_prob = top * (1.0 / 3.0) ** rank
+                if len(paths) == c.n_max:
+                    return paths
+                paths.append(path + (rank,))
+                score = cum * child_prob if c.expand_rule == "cumulative" else child_prob
+                if level < depth and score > c.theta_scale * level / max(depth, 1):
+                    grown.append((path + (rank,), child_prob, cum * child_prob))
+        frontier = grown
+    return paths
+
+
+def _stack_level(tables: list) -> torch.Tensor:
+    """One level's tables of every candidate `(F_c, K)` (None: the candidate ends above) as `(C, F, K)`."""
+    present = [t for t in tables if t is not None]
+    width, k = max(t.shape[0] for t in present), present[0].shape[1]
+    out = torch.zeros(len(tables), width, k, dtype=torch.bool, device=present[0].device)
+    for c, table in enumerate(tables):
+        if table is not None:
+            out[c, : table.shape[0]] = table
+    return out

@@ -34,6 +34,41 @@ def default_tree_paths(num_nodes: int, max_depth: int, rank_acceptance=(0.7, 0.1
     return sorted(chosen, key=lambda p: (len(p), p))
 
 
+def shape_tables(paths, max_children: int, device) -> tuple[list, list]:
+    """Per level, `(F, max_children)` bool tables of which candidate ranks of each frontier node a shape of rank
+    `paths` takes and expands, the frontier in the loop's own order (frontier order, then rank)."""
+    paths = set(paths)
+    takes, expands = [], []
+    frontier = [()]
+    for _ in range(max(len(p) for p in paths)):
+        take = torch.zeros(len(frontier), max_children, dtype=torch.bool)
+        expand = torch.zeros_like(take)
+        next_frontier = []
+        for f, parent in enumerate(frontier):
+            for r in range(max_children):
+                child = parent + (r,)
+                if child in paths:
+                    take[f, r] = True
+                    if any(len(p) > len(child) and p[: len(child)] == child for p in paths):
+                        expand[f, r] = True
+                        next_frontier.append(child)
+        takes.append(take.to(device))
+        expands.append(expand.to(device))
+        frontier = next_frontier
+    return takes, expands
+
+
+def candidate_shapes(max_depth: int, max_nodes: int, extra=()) -> list[tuple]:
+    """The shapes a round chooses among: chains of every depth 1..`max_depth` and the `extra` shapes (a static
+    tree, SAGE's trees), each sorted by depth then rank, without repeats and within `max_nodes` draft nodes."""
+    shapes = [tuple((0,) * depth for depth in range(1, d + 1)) for d in range(1, min(max_depth, max_nodes) + 1)]
+    for shape in extra:
+        shape = tuple(sorted(set(tuple(p) for p in shape), key=lambda p: (len(p), p)))
+        if shape and len(shape) <= max_nodes and shape not in shapes:
+            shapes.append(shape)
+    return shapes
+
+
 @dataclass
 class StaticTreeConfig(StrategyConfig):
     """Settings of the `static_tree` strategy.
@@ -102,27 +137,8 @@ class StaticTreeStrategy(Strategy):
 
     def __init__(self, config, batch_size, device):
         super().__init__(config, batch_size, device)
-        paths = set(config.paths)
-        self._max_children = max(p[-1] for p in paths) + 1
-        depth = max(len(p) for p in paths)
-        # Walk the levels in the loop's own order: frontier order, then rank.
-        self.take, self.expand = [], []
-        frontier = [()]
-        for _ in range(depth):
-            take = torch.zeros(len(frontier), self._max_children, dtype=torch.bool)
-            expand = torch.zeros_like(take)
-            next_frontier = []
-            for f, parent in enumerate(frontier):
-                for r in range(self._max_children):
-                    child = parent + (r,)
-                    if child in paths:
-                        take[f, r] = True
-                        if any(len(p) > len(child) and p[: len(child)] == child for p in paths):
-                            expand[f, r] = True
-                            next_frontier.append(child)
-            self.take.append(take.to(device))
-            self.expand.append(expand.to(device))
-            frontier = next_frontier
+        self._max_children = max(p[-1] for p in config.paths) + 1
+        self.take, self.expand = shape_tables(config.paths, self._max_children, device)
 
     @property
     def max_children(self):

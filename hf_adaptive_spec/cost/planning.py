@@ -1,0 +1,156 @@
+"""Each round's tree chosen among candidates by expected accepted tokens per second of round time.
+
+A candidate is a tree shape: prefix-closed paths of candidate ranks (`(0, 0)`: the drafter's top token, then
+that node's top token), as a static tree is written (`strategies.static_tree.candidate_shapes`). Before a round drafts, each row's candidates are priced:
+
+    tokens(c)  = 1 + sum over the paths of c of prod_j a(alpha, depth j, rank r_j)
+    seconds(c) = t_round + sum over the levels c expands of t_level(width) + T(nodes(c) + 1)
+
+`a` is what the target accepted, measured per pair online (`DepthAcceptance`: per confidence bin, depth and
+rank, a depth with few observations leaning on the depth above it); `t_level(width)` is a drafter level's
+measured wall time (nothing for a block drafter, which drafts every depth in one forward); `T` is the
+verifier's cost curve; `t_round` is the rest of a round (the root's drafter forward, tree work, acceptance,
+commit), measured. The row drafts the candidate of highest tokens / seconds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DepthAcceptance", "RoundPlanner", "level_widths", "sibling_ranks"]
+
+
+def level_widths(paths) -> tuple[int, ...]:
+    """Nodes a shape expands at each level below its deepest: the drafter forward widths it needs."""
+    present = set(paths)
+    depth = max(len(p) for p in paths)
+    return tuple(sum(1 for p in present if len(p) == level and any(len(q) > level and q[:level] == p
+                                                                       for q in present))
+                 for level in range(1, depth))
+
+
+def sibling_ranks(tree) -> torch.Tensor:
+    """`(B, N)` each node's rank among its siblings (valid earlier children of the same parent): the order a
+    greedy level adds a node's children in, best first."""
+    parents, valid = tree.parents, tree.valid
+    same = (parents[:, :, None] == parents[:, None, :]) & valid[:, None, :]
+    earlier = torch.ones(parents.shape[1], parents.shape[1], dtype=torch.bool, device=parents.device).tril(-1)
+    return (same & earlier).sum(-1)
+
+
+class DepthAcceptance:
+    """P(target accepts a node | its parent was accepted), per confidence bin of the round (SAGE's alpha), depth
+    and sibling rank, learned from every verified node.
+
+    A cell's estimate is its counts plus `weight` pseudo-counts at the estimate of the depth above (depth 1: at
+    the prior `prior(alpha, rank)`), so a depth the rounds rarely reach follows the depths they do reach.
+    """
+
+    def __init__(self, max_depth: int, max_rank: int, bins: int = 10, weight: float = 2.0):
+        self.bins, self.weight = bins, weight
+        self.accepted = torch.zeros(bins, max_depth, max_rank, dtype=torch.float64)
+        self.total = torch.zeros_like(self.accepted)
+
+    @staticmethod
+    def prior(alpha: torch.Tensor, ranks: int) -> torch.Tensor:
+        """`(bins, ranks)` the prior of a drafter whose confidence is `alpha`: its top token accepted with
+        0.3 + 0.6 alpha, each lower rank a third as often as the one above."""
+        top = 0.3 + 0.6 * alpha
+        return top[:, None] * (1.0 / 3.0) ** torch.arange(ranks, dtype=torch.float64)[None, :]
+
+    def table(self) -> torch.Tensor:
+        """`(bins, depths, ranks)` the estimates."""
+        centres = (torch.arange(self.bins, dtype=torch.float64) + 0.5) / self.bins
+        above = self.prior(centres, self.accepted.shape[2])
+        out = torch.empty_like(self.accepted)
+        for depth in range(self.accepted.shape[1]):
+            above = (self.accepted[:, depth] + self.weight * above) / (self.total[:, depth] + self.weight)
+            out[:, depth] = above
+        return out
+
+    def bin(self, alpha: torch.Tensor) -> torch.Tensor:
+        return (alpha.double() * self.bins).long().clamp(0, self.bins - 1)
+
+    def observe(self, tree, target_choice: torch.Tensor, alpha: torch.Tensor) -> None:
+        """Learn from one verified tree: its nodes whose parent the target accepted, right or not, under each
+        row's `alpha` `(B,)`."""
+        nodes = tree.valid.clone()
+        nodes[:, 0] = False
+        parent_choice = target_choice.gather(1, tree.parents.clamp_min(0))
+        right = (tree.tokens == parent_choice) & nodes
+        on_path = _accepted_nodes(tree, right)
+        verified = nodes & on_path.gather(1, tree.parents.clamp_min(0))
+        depth, rank = tree.depths - 1, sibling_ranks(tree)
+        verified &= (depth < self.accepted.shape[1]) & (rank < self.accepted.shape[2])
+        bins = self.bin(alpha)[:, None].expand_as(depth)
+        index = ((bins * self.accepted.shape[1] + depth) * self.accepted.shape[2] + rank)[verified].cpu()
+        self.total.view(-1).index_add_(0, index, torch.ones(index.shape[0], dtype=torch.float64))
+        self.accepted.view(-1).index_add_(0, index, right[verified].double().cpu())
+
+
+def _accepted_nodes(tree, right: torch.Tensor) -> torch.Tensor:
+    """`(B, N)` nodes on the accepted path (the root and every node right under an accepted parent)."""
+    accepted = torch.zeros_like(right)
+    accepted[:, 0] = True
+    parents = tree.parents.clamp_min(0)
+    for level in range(1, tree.num_levels + 1):
+        accepted |= (tree.depths == level) & right & accepted.gather(1, parents)
+    return accepted
+
+
+class RoundPlanner:
+    """Prices candidate shapes for each row and picks the best (see the module docstring).
+
+    Args:
+        shapes (list of shapes): the candidates (`candidate_shapes`).
+        acceptance (`DepthAcceptance`): what the target accepts.
+        verify_seconds (callable): `nodes -> seconds` of verifying that many tokens per row (root included).
+        level_seconds (callable): `width -> seconds` of one drafter level that expands `width` nodes (0 for a
+            drafter that drafts every depth in one forward).
+    """
+
+    SMOOTHING = 0.3
+
+    def __init__(self, shapes: list, acceptance: DepthAcceptance, verify_seconds, level_seconds):
+        self.shapes, self.acceptance = shapes, acceptance
+        self.verify_seconds, self.level_seconds = verify_seconds, level_seconds
+        self.round_seconds = 0.0  # t_round: a round's time outside drafter levels and verification (measured)
+        depth = max(len(p) for shape in shapes for p in shape)
+        size = max(len(shape) for shape in shapes)
+        # (C, P, D) rank of each path's node at each depth; -1 past the path's end (and for padding paths)
+        self.ranks = torch.full((len(shapes), size, depth), -1, dtype=torch.long)
+        for c, shape in enumerate(shapes):
+            for p, path in enumerate(shape):
+                self.ranks[c, p, : len(path)] = torch.tensor(path)
+        self.nodes = [len(shape) for shape in shapes]
+        self.widths = [level_widths(shape) for shape in shapes]
+
+    def expected_tokens(self, alpha: torch.Tensor) -> torch.Tensor:
+        """`(B, C)` expected tokens of each candidate (accepted drafts + the bonus) for rows of confidence
+        `alpha` `(B,)`."""
+        table = self.acceptance.table()[self.acceptance.bin(alpha).cpu()]  # (B, D', R)
+        ranks = self.ranks
+        depths = min(ranks.shape[2], table.shape[1])
+        ranks = ranks[:, :, :depths]
+        real = ranks >= 0
+        index = ranks.clamp(0, table.shape[2] - 1)  # ranks past the table count as its last
+        depth_index = torch.arange(depths)[None, None, :].expand_as(index)
+        a = table[:, depth_index, index]  # (B, C, P, D)
+        pi = torch.where(real[None], a, 1.0).prod(-1) * real[None, :, :, 0]
+        return 1.0 + pi.sum(-1)
+
+    def seconds(self) -> torch.Tensor:
+        """`(C,)` each candidate's round time."""
+        return torch.tensor([self.round_seconds + sum(self.level_seconds(w) for w in widths)
+                             + self.verify_seconds(nodes + 1) for widths, nodes in zip(self.widths, self.nodes)],
+                            dtype=torch.float64)
+
+    def choose(self, alpha: torch.Tensor) -> torch.Tensor:
+        """`(B,)` the candidate of highest expected tokens per second for each row."""
+        rate = self.expected_tokens(alpha) / self.seconds().clamp_min(1e-9)[None, :]
+        return rate.argmax(-1)
+
+    def observe_round(self, round_seconds: float, level_seconds: float, verify_seconds: float) -> None:
+        """A round's measured time, its drafter levels' and its verification's: t_round follows the rest."""
+        rest = max(round_seconds - level_seconds - verify_seconds, 0.0)
+        self.round_seconds += self.SMOOTHING * (rest - self.round_seconds)
