@@ -79,6 +79,18 @@ def _run(tmp_path, *extra):
 # ----------------------------------------------------------------------------
 # bench.run
 # ----------------------------------------------------------------------------
+def test_skip_leaves_out_the_first_prompts_of_each_data_set(tmp_path):
+    from hf_adaptive_spec.bench.inputs import bench_prompts
+
+    ids = [p.id for p in bench_prompts(_args(tmp_path, "--skip", "1", "--limit", "1"), _fake_prompts)]
+    assert ids == ["HumanEval/1", "mtbench/111"]
+    assert len(bench_prompts(_args(tmp_path, "--skip", "1"), _fake_prompts)) == 2
+    with pytest.raises(ValueError, match="--skip"):
+        from hf_adaptive_spec.bench.options import check_run_options
+
+        check_run_options(_args(tmp_path, "--skip", "-1"))
+
+
 def test_run_writes_results_and_all_outputs_match(tmp_path):
     results = _run(tmp_path)
     out = tmp_path / "out"

@@ -37,11 +37,13 @@ def default_prompt_loader(dataset: str, limit: Optional[int]) -> list:
 
 
 def bench_prompts(args, prompt_loader=None) -> list:
-    """The prompts of `args.datasets` (each data set once, in order), `args.limit` of each; a `ValueError` for none."""
+    """The prompts of `args.datasets` (each data set once, in order), `args.limit` of each after the first
+    `args.skip`; a `ValueError` for none."""
     prompt_loader = prompt_loader or default_prompt_loader
+    skip = getattr(args, "skip", 0)
     prompts = []
     for dataset in dict.fromkeys(args.datasets):
-        prompts.extend(prompt_loader(dataset, args.limit))
+        prompts.extend(prompt_loader(dataset, None if args.limit is None else skip + args.limit)[skip:])
     if not prompts:
         raise ValueError("no prompts to run.")
     return prompts

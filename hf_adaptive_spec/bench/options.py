@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     work.add_argument("--limit", type=int, default=None,
                       help="prompts per data set, categories interleaved (default: all; scenes: "
                       f"{bench_vision.SCENES_DEFAULT_LIMIT})")
+    work.add_argument("--skip", type=int, default=0,
+                      help="leave out the first N prompts of each data set (held-out runs: prompts that no training "
+                      "or tuning used; default 0)")
     work.add_argument("--max-new-tokens", type=int, default=128, help="(default 128)")
 
     meth = parser.add_argument_group("methods")
@@ -143,5 +146,7 @@ def check_run_options(args) -> None:
         raise ValueError("--max-new-tokens must be >= 1.")
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be >= 1.")
+    if getattr(args, "skip", 0) < 0:
+        raise ValueError("--skip must be >= 0.")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0.")

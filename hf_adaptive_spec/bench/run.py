@@ -209,6 +209,7 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
         },
         "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
                      "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit,
+                     "skip": getattr(args, "skip", 0),
                      "visual_tokens": getattr(args, "visual_tokens", None)},
         "methods": {m.name: {"kind": m.kind, "strategy": m.strategy if m.kind == "spec" else None,
                              "visual_tokens": m.visual_tokens, "visual_selection": m.visual_selection,
