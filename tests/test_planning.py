@@ -98,6 +98,8 @@ def test_every_chain_depth_and_the_static_tree_are_candidates():
         assert tuple((0,) * d for d in range(1, length + 1)) in shapes
     assert tuple(default_tree_paths(6, 5)) in shapes
     assert candidate_shapes(3, 2) == [((0,),), ((0,), (0, 0))]  # within the node budget
+    block = strategy.candidate_shapes(max_depth=4)  # a block drafter of 4: nothing deeper than it drafts
+    assert max(len(p) for shape in block for p in shape) == 4 and len(block) < len(shapes)
 
 
 def _tree(parents, tokens, depths):

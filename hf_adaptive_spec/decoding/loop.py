@@ -268,7 +268,7 @@ class Decoding:
         earlier calls of this pair and setting when a `SpecCalibration` carries them), verification on the cost
         curve, drafter levels at their measured time (none for a drafter that drafts every depth in one
         forward)."""
-        shapes = self.strategy.candidate_shapes()
+        shapes = self.strategy.candidate_shapes(self.drafter.max_depth)
         depth = max(len(p) for shape in shapes for p in shape)
         ranks = max(max(p) for shape in shapes for p in shape) + 1
         cost, pricing = self.cost, self.pricing

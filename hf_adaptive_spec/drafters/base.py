@@ -79,12 +79,14 @@ class Drafter:
             expanding levels that do not pay (`cost.DraftPricing`).
         compact_weights: on a CPU its linear layers read bf16 copies of their weights (drafts only).
         tree_forwards: its own forwards run under tree masks (tree attention is installed on it too).
+        max_depth: the deepest level it can draft (a block drafter: its block), None for no limit of its own.
     """
 
     may_pause: bool = False
     prices_levels: bool = False
     compact_weights: bool = False
     tree_forwards: bool = False
+    max_depth: int | None = None
 
     model = None  # the drafter's nn.Module
     root: torch.Tensor | None = None  # (B,) the pending root: the target's last token, which the next tree grows from

@@ -102,7 +102,7 @@ class BlockDrafter(Drafter):
         self.model = model
         self.target = target
         config = model.config
-        self.block_size = block_size or config.block_size
+        self.block_size = self.max_depth = block_size or config.block_size
         self.num_visual_tokens = config.num_visual_tokens if num_visual_tokens is None else num_visual_tokens
         self.context_lookup = context_lookup
         self.lookup_tokens = lookup_tokens or self.block_size

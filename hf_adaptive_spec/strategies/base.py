@@ -239,7 +239,7 @@ class Strategy:
     @property
     def plans(self) -> bool:
         """True if each round's tree is chosen among candidate shapes by expected tokens per second: the loop then
-        hands the strategy a `cost.planning.RoundPlanner` over `candidate_shapes()` (`plan_with`)."""
+        hands the strategy a `cost.planning.RoundPlanner` over `candidate_shapes(drafter's max depth)` (`plan_with`)."""
         return False
 
     @property

@@ -158,13 +158,15 @@ class SageStrategy(Strategy):
         """Whether rounds are planned (`plan_with`): greedy, with the cost rule."""
         return self.config.plan and self.cost_aware and not self.sampling
 
-    def candidate_shapes(self) -> list:
+    def candidate_shapes(self, max_depth: int | None = None) -> list:
         """The shapes a planned round chooses among: chains of every depth up to the depth cap, SAGE's tree at
-        each alpha bin's centre, and the static tree, within the node budget."""
+        each alpha bin's centre, and the static tree, within the node budget and `max_depth` (the drafter's
+        own limit, if it has one)."""
         c = self.config
+        depth = c.depth_cap if max_depth is None else min(c.depth_cap, max_depth)
         static = default_tree_paths(24, 6) if on_gpu(self.device) else default_tree_paths(6, 5)
         extra = [sage_shape(c, (b + 0.5) / 10) for b in range(10)] + [static]
-        return candidate_shapes(c.depth_cap, c.n_max, extra)
+        return candidate_shapes(depth, c.n_max, [[p for p in shape if len(p) <= depth] for shape in extra])
 
     def plan_with(self, planner) -> None:
         """Choose each row's tree with `planner` (`cost.planning.RoundPlanner`) from now on."""
