@@ -16,9 +16,12 @@ import io
 import json
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+import warnings
+import zlib
 
 import pytest
 import torch
@@ -29,11 +32,11 @@ httpx = pytest.importorskip("httpx")
 
 import tiny_models  # noqa: E402
 from tiny_server import (CHAT_TEMPLATE, build_engine, build_models, build_tokenizer, free_port,  # noqa: E402
-                         running_server)
+                         running_server, save_tiny_pair, wait_for)
 
 from hf_adaptive_spec.serving.chat import (RequestError, SamplingDefaults, TextAssembler,  # noqa: E402
                                            parse_chat_request)
-from hf_adaptive_spec.serving.server import create_app  # noqa: E402
+from hf_adaptive_spec.serving.server import create_app, warn_if_exposed  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,17 +92,6 @@ def _read_stream(lines) -> dict:
         assert chunk["object"] == "chat.completion.chunk" and chunk["model"] == MODEL
         assert chunk["id"] == chunks[0]["id"]
     return {"text": text, "finish_reason": finishes[0], "usage": usage[0] if usage else None, "chunks": chunks}
-
-
-def _wait_for(condition, what: str, timeout: float = TIMEOUT, interval: float = 0.02, show=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}" + (f"; last seen: {show()}" if show else ""))
-        time.sleep(interval)
 
 
 def _engine_stats(client) -> dict:
@@ -183,6 +175,30 @@ def test_parse_images():
         body["messages"][0]["content"][0]["image_url"]["url"] = bad
         with pytest.raises(RequestError, match=match):
             parse_chat_request(body, MODEL, accepts_images=True)
+
+
+def _png_header_url(width: int, height: int) -> str:
+    """A PNG that claims `width` x `height` pixels in its header and holds a few bytes of data."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.mark.parametrize("url, limit, match", [
+    (_png_data_url(), 100, "the image is 10x12 = 120 pixels, over the limit of 100 pixels"),
+    (_png_header_url(9000, 9000), None, "9000x9000 = 81000000 pixels, over the limit of 67108864 pixels"),
+    (_png_header_url(100_000, 100_000), None, "more than 67108864 pixels, the limit"),  # PIL's own bound first
+])
+def test_images_over_the_pixel_limit_get_413(url, limit, match):
+    """The size is read from the header and refused before any pixel is decoded."""
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+    options = {} if limit is None else {"max_image_pixels": limit}
+    with pytest.raises(RequestError, match=match) as error:
+        parse_chat_request(body, MODEL, accepts_images=True, **options)
+    assert (error.value.status, error.value.code) == (413, "image_too_large")
 
 
 def _byte_level_tokenizer():
@@ -292,7 +308,7 @@ def test_greedy_equals_plain(served):
             assert streamed["text"] == text and streamed["finish_reason"] == reason
             assert streamed["usage"]["completion_tokens"] == len(ids)
         # the answers ended; their rows leave the batch at the end of the round that finished them
-        stats = _wait_for(lambda: (lambda s: s["running"] == 0 and s["waiting"] == 0 and s)(_engine_stats(client)),
+        stats = wait_for(lambda: (lambda s: s["running"] == 0 and s["waiting"] == 0 and s)(_engine_stats(client)),
                           "the finished rows to leave")
         assert stats["strategy"] == served.strategy
 
@@ -324,7 +340,7 @@ def test_concurrent_requests_each_equal_plain(served):
         assert answer["text"] == text, (prompt, max_tokens, stream)
         assert answer["finish_reason"] == reason
     with _client(served.url) as client:
-        stats = _wait_for(lambda: (lambda s: s["running"] == 0 and s)(_engine_stats(client)), "the rows to leave")
+        stats = wait_for(lambda: (lambda s: s["running"] == 0 and s)(_engine_stats(client)), "the rows to leave")
     assert stats["prefills"] >= len(jobs)
 
 
@@ -344,7 +360,7 @@ def test_stop_strings_cut_the_answer(served):
         with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
             streamed = _read_stream(stream.iter_lines())
         assert streamed["text"] == cut and streamed["finish_reason"] == "stop"
-        _wait_for(lambda: _engine_stats(client)["running"] == 0, "the stopped rows to leave")
+        wait_for(lambda: _engine_stats(client)["running"] == 0, "the stopped rows to leave")
 
 
 def test_stop_token_ids_and_sampling(served):
@@ -438,14 +454,14 @@ def test_full_queue_gets_429(long_server):
                 assert second.status_code == 200
                 second_lines = second.iter_lines()
                 next(second_lines)  # the role chunk: it was accepted, and waits in the queue (of one)
-                _wait_for(lambda: (lambda s: s["running"] == 1 and s["waiting"] == 1)(_engine_stats(client)),
+                wait_for(lambda: (lambda s: s["running"] == 1 and s["waiting"] == 1)(_engine_stats(client)),
                           "one running and one waiting request", show=lambda: _engine_stats(client))
                 response = client.post("/v1/chat/completions", json={**body, "stream": False})
                 _assert_error(response, 429, kind="rate_limit_error", match="queue is full")
                 assert response.headers.get("retry-after") == "1"
                 del first_lines, second_lines
         # both clients have gone: their rows leave, and the server serves again
-        _wait_for(lambda: (lambda s: s["running"] == 0 and s["waiting"] == 0)(_engine_stats(client)),
+        wait_for(lambda: (lambda s: s["running"] == 0 and s["waiting"] == 0)(_engine_stats(client)),
                   "the abandoned requests to leave")
         ids, text, _ = long_server.expected(PROMPTS[1], 6)
         answer = client.post("/v1/chat/completions", json={"messages": _messages(PROMPTS[1]), "max_tokens": 6})
@@ -462,7 +478,7 @@ def test_disconnect_mid_stream_frees_the_row(long_server):
                 _first_content(lines)
                 _first_content(lines)
                 assert _engine_stats(client)["running"] == 1
-        _wait_for(lambda: _engine_stats(client)["running"] == 0, "the row of the client that left to go")
+        wait_for(lambda: _engine_stats(client)["running"] == 0, "the row of the client that left to go")
         assert _engine_stats(client)["cancelled"] == cancelled + 1
         assert client.post("/v1/chat/completions", json={"messages": _messages("hello"), "max_tokens": 2}) \
             .status_code == 200
@@ -476,8 +492,8 @@ def test_disconnect_before_a_whole_answer_frees_the_row(long_server):
         with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-            _wait_for(lambda: _engine_stats(client)["running"] == 1, "the request to run")
-        _wait_for(lambda: _engine_stats(client)["running"] == 0, "the row of the closed connection to go")
+            wait_for(lambda: _engine_stats(client)["running"] == 1, "the request to run")
+        wait_for(lambda: _engine_stats(client)["running"] == 0, "the row of the closed connection to go")
 
 
 def test_image_request_on_a_vlm():
@@ -515,27 +531,16 @@ def test_image_request_on_a_vlm():
         assert answer.json()["choices"][0]["message"]["content"] == plain_text
         _assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}), 400, match="data URLs")
-
-
-def _save_tiny_pair(folder) -> tuple:
-    """The tiny target and drafter saved as HF folders (with the tokenizer), the target's context LONG + 64."""
-    target, drafter = build_models("chain")
-    tokenizer = build_tokenizer()
-    paths = []
-    for name, model in (("target", target), ("drafter", drafter)):
-        model.config.max_position_embeddings = LONG + 64
-        path = folder / name
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        paths.append(str(path))
-    return tuple(paths)
+        _assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _png_header_url(9000, 9000)}}]}]}), 413,
+            match="over the limit of 67108864 pixels")
 
 
 def test_serve_command_and_sigterm(tmp_path):
     """`hf-adaptive-spec serve` in a process of its own (the tiny pair from folders, strategy chain): it answers
     as plain generate does; on SIGTERM a request still running after the drain timeout ends with finish_reason
     "cancelled" and [DONE], and the process exits with status 0."""
-    target_path, drafter_path = _save_tiny_pair(tmp_path)
+    target_path, drafter_path = save_tiny_pair(tmp_path, LONG + 64)
     port = free_port()
     log_path = tmp_path / "server.log"
     log = open(log_path, "w")
@@ -552,7 +557,7 @@ def test_serve_command_and_sigterm(tmp_path):
             except httpx.HTTPError:
                 return False
 
-        _wait_for(healthy, "the server process to listen", interval=0.2)
+        wait_for(healthy, "the server process to listen", interval=0.2)
         tokenizer = build_tokenizer()
         _, text, _ = _plain(build_models("plain")[0], tokenizer, _messages(PROMPTS[1]), 12)
         with _client(url) as client:
@@ -602,3 +607,43 @@ def test_serve_command_refuses_a_strategy_without_its_drafter(argv, match):
 
     with pytest.raises(SystemExit, match=match):
         main(["serve", "--target", "does-not-matter", *argv])
+
+
+def test_api_key_guards_every_route_but_health():
+    """With an API key: 401 (OpenAI error body, code invalid_api_key) without it, with another key or another
+    scheme, on every route but /health; the key as OpenAI clients send it passes."""
+    openai = pytest.importorskip("openai")
+    server = Served("plain")
+    app = create_app(server.engine, server.tokenizer, MODEL, api_key="s3cret")
+    body = {"messages": _messages("hello"), "max_tokens": 2}
+    with running_server(app) as url, _client(url) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                        {"Authorization": "s3cret"}, {"Authorization": "Bearer s3cret-and-more"}):
+            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/stats"),
+                                 ("GET", "/no/such/route")):
+                response = client.request(method, path, json=body, headers=headers)
+                error = _assert_error(response, 401)
+                assert error["code"] == "invalid_api_key" and response.headers["www-authenticate"] == "Bearer"
+        assert client.get("/health").status_code == 200
+        answer = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert answer.status_code == 200, answer.text
+        assert client.get("/v1/stats", headers={"authorization": "bearer s3cret"}).json()["server"]["by_status"][
+            "401"] == 20
+        openai_client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0,
+                                      http_client=httpx.Client(trust_env=False, timeout=TIMEOUT))
+        assert [m.id for m in openai_client.models.list().data] == [MODEL]
+        openai_client.api_key = "wrong"
+        with pytest.raises(openai.AuthenticationError):
+            openai_client.models.list()
+
+
+@pytest.mark.parametrize("host, key, warns", [
+    ("0.0.0.0", None, True), ("::", None, True), ("192.168.1.5", None, True), ("example.com", None, True),
+    ("127.0.0.1", None, False), ("127.3.2.1", None, False), ("::1", None, False), ("[::1]", None, False),
+    ("localhost", None, False), ("0.0.0.0", "a-key", False),
+])
+def test_serving_beyond_the_loopback_without_a_key_warns(host, key, warns):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_if_exposed(host, key)
+    assert any("without an API key" in str(w.message) for w in caught) == warns

@@ -62,6 +62,34 @@ def build_engine(strategy: str = "plain", max_batch: int = 4, max_queue: int = 8
     return Engine(target, drafter, strategy=strategy, max_batch=max_batch, max_queue=max_queue)
 
 
+def save_tiny_pair(folder, max_position_embeddings: int) -> tuple:
+    """(target folder, drafter folder): the tiny target and drafter of `build_models("chain")` saved as HF folders
+    with the tokenizer, their context `max_position_embeddings`."""
+    target, drafter = build_models("chain")
+    tokenizer = build_tokenizer()
+    paths = []
+    for name, model in (("target", target), ("drafter", drafter)):
+        model.config.max_position_embeddings = max_position_embeddings
+        path = folder / name
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(str(path))
+    return tuple(paths)
+
+
+def wait_for(condition, what: str, timeout: float = 120.0, interval: float = 0.02, show=None):
+    """`condition()`'s first true value, polled every `interval` seconds; an AssertionError naming `what` (and
+    `show()`, the last state seen) after `timeout` seconds: a bound on a wait, never a performance threshold."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f"; last seen: {show()}" if show else ""))
+        time.sleep(interval)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

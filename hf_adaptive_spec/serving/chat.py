@@ -143,8 +143,12 @@ def _integer(body: dict, name: str, low: int, high: Optional[int] = None):
     return value
 
 
-def decode_data_url(url: str, param: str = "image_url"):
-    """A ``data:image/...;base64,...`` URL -> a PIL image (RGB). Only data URLs: the server fetches nothing."""
+def decode_data_url(url: str, param: str = "image_url", max_pixels: int = MAX_IMAGE_PIXELS):
+    """A ``data:image/...;base64,...`` URL -> a PIL image (RGB). Only data URLs: the server fetches nothing.
+
+    Bounded before anything large is decoded: a payload over `MAX_IMAGE_BYTES` is refused before its base64 is
+    decoded, and an image over `max_pixels` pixels once its header is read (``Image.open`` reads the size only;
+    the pixels are decoded after the check): both 413 naming the limit, never a decompression bomb."""
     if not isinstance(url, str):
         raise RequestError(f"'{param}' must be a string URL, got {_type_name(url)}", param=param)
     if not url.startswith("data:"):
@@ -162,7 +166,7 @@ def decode_data_url(url: str, param: str = "image_url"):
                            param=param)
     if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
         raise RequestError(f"'{param}': the image is larger than {MAX_IMAGE_BYTES} bytes", param=param,
-                           status=413)
+                           status=413, code="image_too_large")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as error:
@@ -174,18 +178,27 @@ def decode_data_url(url: str, param: str = "image_url"):
                            param=param, status=500, kind="server_error")
     try:
         with Image.open(io.BytesIO(data)) as image:
-            if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise RequestError(f"'{param}': the image has more than {MAX_IMAGE_PIXELS} pixels", param=param)
+            _check_pixels(image.size, max_pixels, param)
             return image.convert("RGB")
     except RequestError:
         raise
+    except Image.DecompressionBombError as error:  # PIL's own bound (twice Image.MAX_IMAGE_PIXELS) came first
+        raise RequestError(f"'{param}': the image has more than {max_pixels} pixels, the limit ({error})",
+                           param=param, status=413, code="image_too_large")
     except Exception as error:  # PIL raises several kinds for data it cannot read
         raise RequestError(f"'{param}': the image cannot be decoded ({type(error).__name__}: {error})",
                            param=param)
 
 
+def _check_pixels(size: tuple, max_pixels: int, param: str) -> None:
+    width, height = size
+    if width * height > max_pixels:
+        raise RequestError(f"'{param}': the image is {width}x{height} = {width * height} pixels, over the limit of "
+                           f"{max_pixels} pixels", param=param, status=413, code="image_too_large")
+
+
 def _content_parts(content: list, where: str, role: str, accepts_images: bool, model_name: str,
-                   images: list) -> list:
+                   images: list, max_pixels: int) -> list:
     """OpenAI content parts -> template parts (``{"type": "text", "text"}`` / ``{"type": "image"}``)."""
     parts = []
     for j, part in enumerate(content):
@@ -206,14 +219,14 @@ def _content_parts(content: list, where: str, role: str, accepts_images: bool, m
                 raise RequestError(f"'{at}': images are accepted in user messages only", param=at)
             image_url = part.get("image_url")
             url = image_url.get("url") if isinstance(image_url, dict) else image_url
-            images.append(decode_data_url(url, param=f"{at}.image_url"))
+            images.append(decode_data_url(url, param=f"{at}.image_url", max_pixels=max_pixels))
             parts.append({"type": "image"})
         else:
             raise RequestError(f"'{at}.type' must be 'text' or 'image_url', got {kind!r}", param=f"{at}.type")
     return parts
 
 
-def _messages(raw, accepts_images: bool, model_name: str) -> tuple[list, list]:
+def _messages(raw, accepts_images: bool, model_name: str, max_pixels: int) -> tuple[list, list]:
     if raw is None:
         raise RequestError("'messages' is required", param="messages")
     if not isinstance(raw, list):
@@ -239,7 +252,7 @@ def _messages(raw, accepts_images: bool, model_name: str) -> tuple[list, list]:
         if isinstance(content, str):
             parts = [{"type": "text", "text": content}]
         elif isinstance(content, list):
-            parts = _content_parts(content, where, role, accepts_images, model_name, images)
+            parts = _content_parts(content, where, role, accepts_images, model_name, images, max_pixels)
         else:
             raise RequestError(f"'{where}.content' must be a string or an array of content parts, got "
                                f"{_type_name(content)}", param=f"{where}.content")
@@ -280,7 +293,7 @@ def _stop_token_ids(body: dict, vocab_size: Optional[int]) -> tuple:
 
 def parse_chat_request(body: Any, model_name: str, accepts_images: bool = False,
                        defaults: SamplingDefaults = SamplingDefaults(),
-                       vocab_size: Optional[int] = None) -> ChatRequest:
+                       vocab_size: Optional[int] = None, max_image_pixels: int = MAX_IMAGE_PIXELS) -> ChatRequest:
     """Validate an OpenAI ``/v1/chat/completions`` body (already decoded from JSON) for the model served as
     `model_name`.
 
@@ -290,12 +303,14 @@ def parse_chat_request(body: Any, model_name: str, accepts_images: bool = False,
         accepts_images: whether ``image_url`` parts are accepted (a model with an image processor).
         defaults: sampling settings for fields the request leaves out.
         vocab_size: bound for `stop_token_ids`.
+        max_image_pixels: images larger than this (width x height) are refused with 413.
 
     Returns:
         A `ChatRequest`. Raises `RequestError` (status 400) naming the field for anything malformed or
         unsupported: an unknown field, a wrong type, a number out of range, `n` other than 1, an image for a
         text-only model, a URL that is not a data URL, an OpenAI feature this server does not implement (tools,
-        logprobs, penalties) set to anything but its neutral value.
+        logprobs, penalties) set to anything but its neutral value; status 413 for an image over
+        `MAX_IMAGE_BYTES` or `max_image_pixels`.
     """
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_type_name(body)}")
@@ -331,7 +346,7 @@ def parse_chat_request(body: Any, model_name: str, accepts_images: bool = False,
     elif legacy is not None and legacy != max_tokens:
         raise RequestError("'max_tokens' and 'max_completion_tokens' disagree; send one of them",
                            param="max_tokens")
-    messages, images = _messages(body.get("messages"), accepts_images, model_name)
+    messages, images = _messages(body.get("messages"), accepts_images, model_name, max_image_pixels)
     return ChatRequest(
         messages=messages,
         images=images,

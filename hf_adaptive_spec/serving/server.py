@@ -7,10 +7,15 @@ Endpoints:
 - ``GET /health``: 200 with the engine's and the server's counters (503 while shutting down);
   ``GET /v1/stats``: the same counters, always 200.
 
+With an API key (`create_app(api_key=...)`; the command line's ``--api-key`` or ``$HF_ADAPTIVE_SPEC_API_KEY``)
+every route but ``/health`` wants ``Authorization: Bearer <key>``, as OpenAI clients send it: 401 without it or
+with another key (compared in constant time). `serve` warns when it listens beyond the loopback without a key.
+
 Answers besides 200: 400 (OpenAI error body, ``invalid_request_error``) for malformed JSON or a request
-`parse_chat_request` refuses, an unknown model name, or a prompt that does not fit the model's context; 413 for
-a body over the limit; 429 when the engine's queue is full; 503 while the server shuts down. A client that
-disconnects gets its request cancelled: its row leaves the batch at the next round boundary.
+`parse_chat_request` refuses, an unknown model name, or a prompt that does not fit the model's context; 401
+without the API key (when one is set); 413 for a body over the limit or an image over its byte or pixel limit;
+429 when the engine's queue is full; 503 while the server shuts down. A client that disconnects gets its request
+cancelled: its row leaves the batch at the next round boundary.
 
 Shutdown (SIGTERM or Ctrl-C, through `serve`): the listening socket closes at once and new requests on open
 connections get 503; requests in flight run on for up to `drain_timeout` seconds, then the engine stops and
@@ -26,14 +31,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
+import ipaddress
 import json
 import logging
 import signal
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -44,27 +52,92 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..adapters.compat import text_config, vocab_size
 from ..chat_template import encode_chat, text_tokenizer
-from .chat import ChatRequest, RequestError, SamplingDefaults, TextAssembler, parse_chat_request
+from .chat import (MAX_IMAGE_PIXELS, ChatRequest, RequestError, SamplingDefaults, TextAssembler,
+                   parse_chat_request)
 
-__all__ = ["ServerState", "create_app", "serve"]
+__all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "ServerState", "create_app", "error_kind", "error_response", "serve",
+           "sse_error", "warn_if_exposed"]
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn configures it: shutdown notes go where its own do
 
 DEFAULT_MAX_TOKENS = 512
 MAX_BODY_BYTES = 32 * 1024 * 1024
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+API_KEY_ENV = "HF_ADAPTIVE_SPEC_API_KEY"  # where the command line reads the key when --api-key is not given
+OPEN_PATHS = ("/health",)  # routes an API key does not guard
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
            code: Optional[str] = None, headers: Optional[dict] = None):
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _error_kind(status: int) -> str:
-    return {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
-        status, "server_error" if status >= 500 else "invalid_request_error")
+def sse_error(message: str, code: Optional[str] = None) -> str:
+    """The server-sent event that ends a stream which cannot go on: ``data: {"error": ...}`` (then ``[DONE]``)."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _route_path(scope) -> str:
+    """The request's path below the app's mount point (``root_path``, e.g. a Ray Serve route prefix)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: 401 with an OpenAI error body (``code: invalid_api_key``) for every HTTP request but
+    those to `open_paths` that does not carry ``Authorization: Bearer <api_key>``; the key is compared with
+    `hmac.compare_digest`. Refusals are counted in `state` (``by_status``)."""
+
+    def __init__(self, app, api_key: str, state: "ServerState", open_paths=OPEN_PATHS):
+        if not api_key:
+            raise ValueError("ApiKeyMiddleware needs a non-empty api_key")
+        self.app = app
+        self._key = api_key.encode()
+        self._state = state
+        self._open_paths = tuple(open_paths)
+
+    def _refusal(self, scope) -> Optional[str]:
+        """Why the request is refused, or None when it carries the key."""
+        header = dict(scope.get("headers") or ()).get(b"authorization")
+        if header is None:
+            return "Missing API key: send the header 'Authorization: Bearer <key>'"
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+            return "Incorrect API key provided"
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and _route_path(scope) not in self._open_paths:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                self._state.by_status[401] += 1
+                response = error_response(401, refusal, code="invalid_api_key",
+                                          headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def warn_if_exposed(host: str, api_key: Optional[str]) -> None:
+    """Warn (`UserWarning`) when `host` is reachable beyond this machine (not 127.x, ::1 or localhost) and no
+    API key guards the server."""
+    if api_key:
+        return
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name
+        loopback = host.lower() == "localhost"
+    if not loopback:
+        warnings.warn(f"serving on {host!r} without an API key: anyone who can reach this port can use the model; "
+                      f"set --api-key or ${API_KEY_ENV}", UserWarning, stacklevel=2)
+
+
+def error_kind(status: int) -> str:
+    """The OpenAI error ``type`` for an HTTP status."""
+    return {404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error",
+            503: "service_unavailable"}.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
 @dataclass
@@ -116,7 +189,8 @@ class ServerState:
 
     def __init__(self, engine, processor, model_name: str, max_context: Optional[int] = None,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, sampling: Optional[SamplingDefaults] = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, manage_engine: bool = True):
+                 max_body_bytes: int = MAX_BODY_BYTES, manage_engine: bool = True,
+                 max_image_pixels: int = MAX_IMAGE_PIXELS):
         self.engine = engine
         self.processor = processor
         self.tokenizer = text_tokenizer(processor)
@@ -135,6 +209,7 @@ class ServerState:
         self.sampling = sampling
         self.default_max_tokens = default_max_tokens
         self.max_body_bytes = max_body_bytes
+        self.max_image_pixels = max_image_pixels
         self.manage_engine = manage_engine
         self.created = int(time.time())
         self.draining = False
@@ -293,7 +368,9 @@ async def _read_json(request, limit: int) -> Any:
 
 def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: Optional[int] = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, sampling: Optional[SamplingDefaults] = None,
-               manage_engine: bool = True, max_body_bytes: int = MAX_BODY_BYTES):
+               manage_engine: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
+               max_image_pixels: int = MAX_IMAGE_PIXELS, api_key: Optional[str] = None,
+               extra_stats: Optional[Callable[[], dict]] = None):
     """A FastAPI app serving `engine` under `model_name`, OpenAI style.
 
     Args:
@@ -308,6 +385,10 @@ def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: 
             config; greedy when it does not sample).
         manage_engine: start and stop the engine with the app.
         max_body_bytes: larger bodies get 413.
+        max_image_pixels: larger decoded images get 413.
+        api_key: when set, every route but ``/health`` wants ``Authorization: Bearer <api_key>`` (else 401).
+        extra_stats: called (in a worker thread) for more entries of ``/health`` and ``/v1/stats`` (e.g. a Ray
+            Serve replica's name and how many replicas of the deployment run).
 
     Returns:
         The app; ``app.state.serving`` is its `ServerState`.
@@ -316,7 +397,8 @@ def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: 
 
     state = ServerState(engine, processor_or_tokenizer, model_name, max_context=max_context,
                         default_max_tokens=default_max_tokens, sampling=sampling,
-                        max_body_bytes=max_body_bytes, manage_engine=manage_engine)
+                        max_body_bytes=max_body_bytes, manage_engine=manage_engine,
+                        max_image_pixels=max_image_pixels)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -332,22 +414,30 @@ def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: 
 
     app = FastAPI(title="hf_adaptive_spec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, state=state)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
-        return _error(exc.status_code, str(exc.detail), kind=_error_kind(exc.status_code))
+        return error_response(exc.status_code, str(exc.detail), kind=error_kind(exc.status_code))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc):  # pragma: no cover - the endpoints parse bodies themselves
-        return _error(400, str(exc))
+        return error_response(400, str(exc))
+
+    async def all_stats() -> dict:
+        stats = state.stats()
+        if extra_stats is not None:
+            stats.update(await run_in_threadpool(extra_stats))
+        return stats
 
     @app.get("/health")
     async def health():
-        return JSONResponse(state.stats(), status_code=503 if state.draining else 200)
+        return JSONResponse(await all_stats(), status_code=503 if state.draining else 200)
 
     @app.get("/v1/stats")
     async def stats():
-        return state.stats()
+        return await all_stats()
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": state.created, "owned_by": "hf_adaptive_spec"}
@@ -359,7 +449,7 @@ def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name != model_name:
-            return _error(404, f"The model {name!r} does not exist", kind="not_found_error", param="model",
+            return error_response(404, f"The model {name!r} does not exist", kind="not_found_error", param="model",
                           code="model_not_found")
         return model_card()
 
@@ -386,8 +476,7 @@ def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: 
         async for delta in generation.deltas():
             yield chunk({"content": delta})
         if generation.error is not None:
-            body = {"error": {"message": generation.error, "type": "server_error", "param": None, "code": None}}
-            yield f"data: {json.dumps(body)}\n\n"
+            yield sse_error(generation.error)
         else:
             yield chunk({}, generation.finish_reason)
             if generation.chat.include_usage:
@@ -408,10 +497,10 @@ def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: 
                     checked = loop.time()
                     if await request.is_disconnected():
                         status = 499  # the client closed the request; close() cancels it
-                        return _error(499, "the client disconnected")
+                        return error_response(499, "the client disconnected")
             if generation.error is not None:
                 status = 500
-                return _error(500, generation.error, kind="server_error")
+                return error_response(500, generation.error, kind="server_error")
             return {
                 "id": generation.id, "object": "chat.completion", "created": generation.created,
                 "model": model_name,
@@ -426,14 +515,15 @@ def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: 
     async def chat_completions(request: Request):
         def refuse(status, message, kind, headers=None):
             state.by_status[status] += 1
-            return _error(status, message, kind=kind, headers=headers)
+            return error_response(status, message, kind=kind, headers=headers)
 
         if state.draining:
             return refuse(503, "the server is shutting down", "service_unavailable")
         try:
             body = await _read_json(request, state.max_body_bytes)
             chat = parse_chat_request(body, model_name, accepts_images=state.accepts_images,
-                                      defaults=state.sampling, vocab_size=state.vocab_size)
+                                      defaults=state.sampling, vocab_size=state.vocab_size,
+                                      max_image_pixels=state.max_image_pixels)
             try:
                 prompt = await run_in_threadpool(state.encode, chat)
             except (ValueError, TypeError, jinja2.TemplateError) as error:  # the template or processor refused
@@ -495,11 +585,13 @@ def serve(engine, processor_or_tokenizer, model_name: str, host: str = "127.0.0.
     """Serve `engine` over HTTP until SIGTERM / Ctrl-C (blocking); 0 after a clean shutdown.
 
     Args:
-        engine, processor_or_tokenizer, model_name: as `create_app` (other `create_app` options as keywords).
-        host, port: where to listen (default localhost only).
+        engine, processor_or_tokenizer, model_name: as `create_app` (other `create_app` options as keywords,
+            `api_key` among them).
+        host, port: where to listen (default localhost only; `warn_if_exposed` warns beyond it without a key).
         drain_timeout: seconds requests in flight may run on after a shutdown signal.
         log_level: uvicorn's log level.
     """
+    warn_if_exposed(host, app_options.get("api_key"))
     app = create_app(engine, processor_or_tokenizer, model_name, **app_options)
     server = _uvicorn_server(app, host, port, drain_timeout, log_level)
     # uvicorn raises a signal it shut down for again once it is done (so a default handler would end the process
