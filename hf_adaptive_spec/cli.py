@@ -23,7 +23,9 @@ def _spec_config(text: str | None):
     return json.loads(text) if text else None
 
 
-def _report(stats, seconds: float, plain_seconds: float | None, same: bool | None) -> str:
+def _report(stats, seconds: float, baselines: dict) -> str:
+    """The speculative run's statistics, then one line per baseline run (`_baselines`): its seconds, the speedup
+    over it and whether its output was the same."""
     lines = [
         f"strategy {stats.strategy}: {stats.new_tokens} tokens in {seconds:.2f}s "
         f"({stats.new_tokens / seconds:.2f} tok/s), tau = {stats.mean_accepted_length:.2f} tokens per target forward, "
@@ -31,8 +33,8 @@ def _report(stats, seconds: float, plain_seconds: float | None, same: bool | Non
         f"time split: draft {stats.time_draft:.2f}s, verify {stats.time_verify:.2f}s, "
         f"tree+mask {stats.time_tree:.2f}s, accept {stats.time_accept:.2f}s, compact {stats.time_compact:.2f}s",
     ]
-    if plain_seconds is not None:
-        lines.append(f"plain generate: {plain_seconds:.2f}s -> speedup {plain_seconds / seconds:.2f}x "
+    for name, (baseline_seconds, same) in baselines.items():
+        lines.append(f"{name}: {baseline_seconds:.2f}s -> speedup {baseline_seconds / seconds:.2f}x "
                      f"(same output: {'yes' if same else 'NO'})")
     return "\n".join(lines)
 
@@ -62,18 +64,37 @@ def _drafting(drafter, strategy) -> dict:
     return {} if get_strategy_class(strategy).drafts_nothing else {"assistant_model": drafter}
 
 
-def _warm_up(target, drafter, inputs, strategy, spec_config) -> float:
+def _warm_up(target, drafter, inputs, strategy, spec_config, compare: bool) -> float:
     """Before a timed comparison: `prepare` (the CPU kernel compiled, the verifier's cost curve measured, both
-    once per machine and then cached), then untimed short runs of plain and speculative generate (allocator,
-    first-use costs). Returns the seconds `prepare` spent measuring (milliseconds when the curve was cached)."""
+    once per machine and then cached), then untimed short runs of speculative generate and, when `compare`, of
+    the baselines (allocator, first-use costs). Returns the seconds `prepare` spent measuring (milliseconds when
+    the curve was cached)."""
     from .decoding.prepare import prepare
 
     prepared = prepare(target, drafter, strategy, batch_sizes=(inputs["input_ids"].shape[0],),
                        spec_config=spec_config)
-    target.generate(**inputs, max_new_tokens=4, do_sample=False)
     target.generate(**inputs, max_new_tokens=4, do_sample=False, **_drafting(drafter, strategy),
                     spec_strategy=strategy, spec_config=spec_config)
+    if compare:
+        _baselines(target, inputs, 4, strategy)
     return sum(profile["seconds"] for profile in prepared["profiles"])
+
+
+def _baselines(target, inputs, max_new_tokens, strategy) -> dict:
+    """The timed baselines of a comparison: plain `generate`, and the plain mode (`spec_strategy="plain"`: the
+    library's rounds without a drafter, the share of a speedup that the drafter does not make) unless `strategy`
+    is that mode. Returns ``{label: (seconds, output ids)}``."""
+    from .strategies import get_strategy_class
+
+    runs = {"plain generate": {}}
+    if not get_strategy_class(strategy).drafts_nothing:
+        runs['plain mode (spec_strategy="plain", no drafter)'] = {"spec_strategy": "plain"}
+    timed = {}
+    for label, settings in runs.items():
+        start = time.perf_counter()
+        out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **settings)
+        timed[label] = (time.perf_counter() - start, out)
+    return timed
 
 
 def _generate_and_compare(target, drafter, inputs, tokenizer, strategy, spec_config, max_new_tokens, compare):
@@ -81,7 +102,7 @@ def _generate_and_compare(target, drafter, inputs, tokenizer, strategy, spec_con
     from transformers import TextStreamer
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    profiled = _warm_up(target, drafter, inputs, strategy, spec_config)
+    profiled = _warm_up(target, drafter, inputs, strategy, spec_config, compare)
     if profiled >= 0.1:  # worth a word: the first run on a machine (a cached curve loads in milliseconds)
         print(f"(measured the verifier's cost curve once: {profiled:.1f}s, cached for later runs)\n")
     start = time.perf_counter()
@@ -90,15 +111,13 @@ def _generate_and_compare(target, drafter, inputs, tokenizer, strategy, spec_con
         spec_strategy=strategy, spec_config=spec_config, streamer=streamer, return_dict_in_generate=True,
     )
     seconds = time.perf_counter() - start
-    plain_seconds = same = None
+    baselines = {}
     if compare:
-        start = time.perf_counter()
-        plain = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        plain_seconds = time.perf_counter() - start
-        same = torch.equal(plain, out.sequences)
+        baselines = {label: (baseline_seconds, torch.equal(ids, out.sequences))
+                     for label, (baseline_seconds, ids) in _baselines(target, inputs, max_new_tokens, strategy).items()}
     print()
-    print(_report(out.spec_stats, seconds, plain_seconds, same))
-    return 0 if same in (None, True) else 1
+    print(_report(out.spec_stats, seconds, baselines))
+    return 0 if all(same for _, same in baselines.values()) else 1
 
 
 def cmd_demo(args) -> int:
@@ -139,42 +158,65 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    import torch
+def _served_model(args):
+    from .serving.served_model import ServedModel
 
+    threads = args.threads
+    if threads is None and _on_ray(args):  # a replica uses the cores it asks Ray for
+        threads = max(1, int(args.replica_cpus))
+    model = ServedModel(target=args.target, drafter=args.drafter, strategy=args.strategy,
+                        spec_config=_spec_config(args.spec_config), dtype=args.dtype, drafter_int8=args.drafter_int8,
+                        max_batch=args.max_batch, max_queue=args.max_queue, threads=threads, prepare=args.prepare,
+                        served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
+                        max_image_pixels=args.max_image_pixels)
     try:
-        from .serving.server import serve
+        model.resolved_strategy()
+    except ValueError as error:
+        raise SystemExit(str(error))
+    return model
+
+
+def _on_ray(args) -> bool:
+    """Ray Serve replicas instead of the single-process server."""
+    return any(value is not None for value in (args.replicas, args.ray_address, args.min_replicas,
+                                                args.max_replicas))
+
+
+def _serve_on_ray(args, model, api_key) -> int:
+    try:
+        from .serving import ray_app
+    except ImportError as error:
+        raise SystemExit(f"--replicas / --ray-address need Ray Serve ({error.name} is missing): "
+                         "pip install 'hf_adaptive_spec[ray]'")
+    scaling = {"replicas": args.replicas or 1, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+               "target_ongoing_requests": args.target_ongoing_requests, "num_cpus": args.replica_cpus,
+               "drain_timeout": args.drain_timeout}
+    try:
+        ray_app.deployment_options(model, **scaling)
+    except ValueError as error:
+        raise SystemExit(f"serve: {error}")
+    return ray_app.run(model, host=args.host, port=args.port, ray_address=args.ray_address, api_key=api_key,
+                       **scaling)
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    model = _served_model(args)
+    try:
+        from .serving.server import API_KEY_ENV, serve
     except ImportError as error:
         raise SystemExit(f"serve needs the server's packages ({error.name} is missing): "
                          "pip install 'hf_adaptive_spec[serve]'")
-    from .serving.engine import Engine
-    from .strategies import get_strategy_class
-
-    torch.set_num_threads(args.threads) if args.threads else None
-    strategy = args.strategy
-    if strategy is None:  # plain without a drafter; laspec for a LaSpec drafter; sage for any other
-        from .loading import is_laspec
-
-        strategy = "plain" if args.drafter is None else "laspec" if is_laspec(args.drafter) else "sage"
-    drafts_nothing = get_strategy_class(strategy).drafts_nothing
-    if drafts_nothing and args.drafter is not None:
-        raise SystemExit(f"--strategy {strategy} drafts nothing: leave --drafter out")
-    if not drafts_nothing and args.drafter is None:
-        raise SystemExit(f"--strategy {strategy} needs --drafter")
-    target, processor = load_model(args.target, args.dtype, option="--target")
-    drafter = None if drafts_nothing else load_drafter(args.drafter, target, args.drafter_int8, args.dtype)
-    spec_config = _spec_config(args.spec_config)
-    if args.prepare:
-        from .decoding.prepare import prepare
-
-        prepare(target, drafter, strategy, batch_sizes=sorted({1, args.max_batch}), spec_config=spec_config)
-    engine = Engine(target, drafter, strategy=strategy, spec_config=spec_config, max_batch=args.max_batch,
-                    max_queue=args.max_queue)
-    name = args.served_model_name or args.target
-    print(f"serving {name} (strategy {strategy}{', drafter ' + args.drafter if drafter is not None else ''}) "
-          f"on http://{args.host}:{args.port}/v1", flush=True)
-    return serve(engine, processor, name, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
-                 log_level=args.log_level, default_max_tokens=args.default_max_tokens)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if _on_ray(args):
+        return _serve_on_ray(args, model, api_key)
+    engine, processor = model.build()
+    drafting = f", drafter {model.drafter}" if engine.drafter is not None else ""
+    print(f"serving {model.name} (strategy {engine.strategy}{drafting}) on http://{args.host}:{args.port}/v1",
+          flush=True)
+    return serve(engine, processor, model.name, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+                 log_level=args.log_level, api_key=api_key, **model.app_options())
 
 
 def cmd_loadtest(args) -> int:
@@ -203,6 +245,7 @@ def _bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .serving.chat import MAX_IMAGE_PIXELS
     from .strategies import STRATEGIES
 
     parser = argparse.ArgumentParser(prog="hf-adaptive-spec", description=__doc__)
@@ -225,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--prompt", default=DEMO_PROMPT if demo else None, required=not demo)
         p.add_argument("--threads", type=int, default=None)
 
-    demo = sub.add_parser("demo", help="the main job: sage on the default real pair, with speedup over plain")
+    demo = sub.add_parser("demo", help="the main job: sage on the default real pair, with its speedups over "
+                          "plain generate and over the plain mode")
     common(demo, demo=True)
     demo.set_defaults(func=cmd_demo)
 
@@ -234,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--image", default=None, help="an image file, for a VLM target")
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--no-chat-template", action="store_true")
-    gen.add_argument("--compare", action="store_true", help="also run plain generate and report the speedup")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run plain generate and the plain mode and report the speedups")
     gen.set_defaults(func=cmd_generate)
 
     prep = sub.add_parser("prepare", help="compile the CPU kernel and measure the cost curve now, not in a first call")
@@ -271,6 +316,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="int8-quantize an independent drafter (CPU)")
     srv.add_argument("--threads", type=int, default=None)
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--api-key", default=None,
+                     help="clients must send 'Authorization: Bearer KEY' (all routes but /health; default: "
+                          "$HF_ADAPTIVE_SPEC_API_KEY, else no key)")
+    srv.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                     help="decoded images larger than this (width x height) get 413")
+    ray_group = srv.add_argument_group("Ray Serve replicas (any of these serves on Ray; pip install "
+                                       "'hf_adaptive_spec[ray]')")
+    ray_group.add_argument("--replicas", type=int, default=None,
+                           help="engine replicas behind Ray Serve's proxy (the initial count when autoscaling)")
+    ray_group.add_argument("--ray-address", default=None,
+                           help="join this Ray cluster (e.g. 'auto' after 'ray start --head'); default: start Ray here")
+    ray_group.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
+    ray_group.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
+    ray_group.add_argument("--target-ongoing-requests", type=float, default=None,
+                           help="autoscaling: requests per replica Ray aims at (default: --max-batch)")
+    ray_group.add_argument("--replica-cpus", type=float, default=1.0,
+                           help="CPUs each replica asks Ray for (its torch threads unless --threads)")
     srv.set_defaults(func=cmd_serve)
 
     load = sub.add_parser("loadtest", help="a bounded load run against a server: latency, TTFT, throughput")

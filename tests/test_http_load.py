@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -162,3 +163,23 @@ def test_command_line(server_url, tmp_path, capsys):
     assert report["requests"]["ok"] == 3 and report["settings"]["prompts"] == 2
     assert {r["prompt"] for r in report["per_request"]} <= {"hello world", "why is the sky blue"}
     assert "| cli | bursty | 10 | 3 / 3 |" in capsys.readouterr().out
+
+
+def test_the_api_key_is_sent_and_not_reported(monkeypatch):
+    """Against a server with a key: without it every request gets 401; with it (or $HF_ADAPTIVE_SPEC_API_KEY)
+    every one is answered, and the report says only that a key was set."""
+    from hf_adaptive_spec.serving import http_load
+
+    app = create_app(build_engine("plain"), build_tokenizer(), MODEL, api_key="load-key")
+    with running_server(app) as url:
+        refused = run_load(LoadSpec(url=url, rate=50.0, requests=2, max_tokens=3, time_limit=120))
+        answered = run_load(LoadSpec(url=url, rate=50.0, requests=2, max_tokens=3, time_limit=120,
+                                     api_key="load-key"))
+        monkeypatch.setenv("HF_ADAPTIVE_SPEC_API_KEY", "load-key")
+        parser = argparse.ArgumentParser()
+        http_load.add_arguments(parser)
+        args = parser.parse_args(["--url", url, "--requests", "1", "--max-tokens", "2"])
+        assert http_load.run(args) == 0
+    assert refused["requests"]["errors"] == {"401": 2}
+    assert answered["requests"]["ok"] == 2 and answered["settings"]["api_key"] == "set"
+    assert "load-key" not in json.dumps(answered)

@@ -4,7 +4,8 @@ N requests arrive at times drawn from a seeded generator; each is streamed, so t
 first token as well as its end-to-end latency. The run stops by itself: after the last request, or when
 `time_limit` seconds have passed (requests still open are closed then, and counted as ``timeout``; those
 not yet sent as ``not_sent``). Only the given URL is contacted (``POST /v1/chat/completions``, and
-``GET /health`` before and after for the server's counters); proxy settings from the environment are ignored.
+``GET /health`` before and after for the server's counters), with ``Authorization: Bearer <api_key>`` when
+given; proxy settings from the environment are ignored.
 
 Arrivals (`hf_adaptive_spec.traffic`, drawn with `ARRIVAL_OPTIONS`: bursts of a fixed size, the first request
 at time 0, the numbers from ``random.Random(seed)``):
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import traffic
+from . import API_KEY_ENV
 
 __all__ = ["ARRIVAL_OPTIONS", "DEFAULT_PROMPTS", "LoadSpec", "arrival_times", "load_prompts", "markdown_table",
            "run_load"]
@@ -78,6 +81,7 @@ class LoadSpec:
     temperature: float = 0.0
     model: Optional[str] = None  # default: the first model the server lists
     label: Optional[str] = None  # a name for the run in tables
+    api_key: Optional[str] = field(default=None, repr=False)  # sent as "Authorization: Bearer"; not reported
 
     def validate(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -264,7 +268,9 @@ async def run_load_async(spec: LoadSpec) -> dict:
     records = [_Record(i, t, spec.prompts[order[i % len(order)]]) for i, t in enumerate(times)]
     limits = httpx.Limits(max_connections=spec.requests + 2, max_keepalive_connections=spec.requests + 2)
     timeout = httpx.Timeout(spec.time_limit, connect=min(10.0, spec.time_limit))
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, follow_redirects=False) as client:
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else None
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, follow_redirects=False,
+                                 headers=headers) as client:
         model = spec.model or await _model_name(client, url)
         before = await _health(client, url)
         clock_zero = time.perf_counter()
@@ -294,6 +300,7 @@ def _report(spec: LoadSpec, model, records: list, wall: float, before, after) ->
     completion = sum(r.completion_tokens or 0 for r in answered)
     settings = asdict(spec)
     settings["prompts"] = len(spec.prompts)
+    settings["api_key"] = "set" if spec.api_key else None
     return {
         "label": spec.label,
         "settings": settings,
@@ -364,6 +371,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="default: the model the server lists")
     parser.add_argument("--label", default=None, help="the run's name in the table")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
+    parser.add_argument("--api-key", default=None,
+                        help=f"sent as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none)")
 
 
 def run(args) -> int:
@@ -372,7 +381,8 @@ def run(args) -> int:
     spec = LoadSpec(url=args.url, rate=args.rate, arrivals=args.arrivals, requests=args.requests, seed=args.seed,
                     max_tokens=args.max_tokens, prompts=tuple(load_prompts(args.prompts)) if args.prompts
                     else DEFAULT_PROMPTS, burst_size=args.burst_size, burst_gap=args.burst_gap,
-                    time_limit=args.time_limit, temperature=args.temperature, model=args.model, label=args.label)
+                    time_limit=args.time_limit, temperature=args.temperature, model=args.model, label=args.label,
+                    api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     try:
         spec.validate()
     except ValueError as error:

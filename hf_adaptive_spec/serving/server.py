@@ -52,6 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..adapters.compat import text_config, vocab_size
 from ..chat_template import encode_chat, text_tokenizer
+from . import API_KEY_ENV
 from .chat import (MAX_IMAGE_PIXELS, ChatRequest, RequestError, SamplingDefaults, TextAssembler,
                    parse_chat_request)
 
@@ -63,7 +64,6 @@ logger = logging.getLogger("uvicorn.error")  # uvicorn configures it: shutdown n
 DEFAULT_MAX_TOKENS = 512
 MAX_BODY_BYTES = 32 * 1024 * 1024
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
-API_KEY_ENV = "HF_ADAPTIVE_SPEC_API_KEY"  # where the command line reads the key when --api-key is not given
 OPEN_PATHS = ("/health",)  # routes an API key does not guard
 
 
