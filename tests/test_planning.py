@@ -60,7 +60,7 @@ def test_the_planned_choice_is_the_best_of_the_enumerated_candidates():
     acceptance.accepted += (acceptance.total * torch.rand(acceptance.total.shape, generator=generator)).floor()
     curves = {"steep": lambda n: 1.0 + 0.5 * n, "gentle": lambda n: 1.0 + 0.02 * n}
     for (name, verify), level in itertools.product(curves.items(), (lambda w: 0.0, lambda w: 0.1 + 0.01 * w)):
-        planner = RoundPlanner(shapes, acceptance, verify, level)
+        planner = RoundPlanner(shapes, acceptance, verify, level)  # prices tokens from the counts as they are
         planner.round_seconds = 0.2
         alphas = torch.linspace(0.0, 1.0, 11)
         chosen = planner.choose(alphas)
@@ -117,7 +117,7 @@ def test_the_acceptance_learned_is_what_the_target_accepted_given_the_parent():
     # the target's choice after each node: after the root 11 (a right), after a: 99 (c wrong), so d is unverified
     choice = torch.tensor([[11, 99, 0, 14, 0]])
     acceptance = DepthAcceptance(max_depth=4, max_rank=2)
-    acceptance.observe(tree, choice, torch.tensor([0.95]))
+    acceptance.observe(tree, choice, torch.tensor([[0, 1, 1, 1]]), torch.tensor([0.95]))  # accepted: a
     b = 9
     assert acceptance.total[b, 0].tolist() == [1.0, 1.0] and acceptance.accepted[b, 0].tolist() == [1.0, 0.0]
     assert acceptance.total[b, 1].tolist() == [1.0, 0.0] and acceptance.accepted[b, 1].tolist() == [0.0, 0.0]

@@ -71,31 +71,21 @@ class DepthAcceptance:
     def bin(self, alpha: torch.Tensor) -> torch.Tensor:
         return (alpha.double() * self.bins).long().clamp(0, self.bins - 1)
 
-    def observe(self, tree, target_choice: torch.Tensor, alpha: torch.Tensor) -> None:
-        """Learn from one verified tree: its nodes whose parent the target accepted, right or not, under each
-        row's `alpha` `(B,)`."""
+    def observe(self, tree, target_choice: torch.Tensor, path_index: torch.Tensor, alpha: torch.Tensor) -> None:
+        """Learn from one verified tree: its nodes whose parent the target accepted (on the accepted path
+        `path_index` `(B, D + 1)`, root first), right or not, under each row's `alpha` `(B,)`."""
         nodes = tree.valid.clone()
         nodes[:, 0] = False
-        parent_choice = target_choice.gather(1, tree.parents.clamp_min(0))
-        right = (tree.tokens == parent_choice) & nodes
-        on_path = _accepted_nodes(tree, right)
-        verified = nodes & on_path.gather(1, tree.parents.clamp_min(0))
+        parents = tree.parents.clamp_min(0)
+        right = (tree.tokens == target_choice.gather(1, parents)) & nodes
+        on_path = torch.zeros_like(nodes).scatter_(1, path_index, True)
+        verified = nodes & on_path.gather(1, parents)
         depth, rank = tree.depths - 1, sibling_ranks(tree)
         verified &= (depth < self.accepted.shape[1]) & (rank < self.accepted.shape[2])
         bins = self.bin(alpha)[:, None].expand_as(depth)
         index = ((bins * self.accepted.shape[1] + depth) * self.accepted.shape[2] + rank)[verified].cpu()
         self.total.view(-1).index_add_(0, index, torch.ones(index.shape[0], dtype=torch.float64))
         self.accepted.view(-1).index_add_(0, index, right[verified].double().cpu())
-
-
-def _accepted_nodes(tree, right: torch.Tensor) -> torch.Tensor:
-    """`(B, N)` nodes on the accepted path (the root and every node right under an accepted parent)."""
-    accepted = torch.zeros_like(right)
-    accepted[:, 0] = True
-    parents = tree.parents.clamp_min(0)
-    for level in range(1, tree.num_levels + 1):
-        accepted |= (tree.depths == level) & right & accepted.gather(1, parents)
-    return accepted
 
 
 class RoundPlanner:
@@ -124,19 +114,26 @@ class RoundPlanner:
                 self.ranks[c, p, : len(path)] = torch.tensor(path)
         self.nodes = [len(shape) for shape in shapes]
         self.widths = [level_widths(shape) for shape in shapes]
+        depths = min(depth, acceptance.accepted.shape[1])
+        ranks = self.ranks[:, :, :depths]
+        self._real = ranks >= 0
+        self._rank_index = ranks.clamp(0, acceptance.accepted.shape[2] - 1)  # ranks past the table: its last
+        self._depth_index = torch.arange(depths)[None, None, :].expand_as(ranks)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Price the candidates' tokens again from what the acceptance has learned (after `observe`)."""
+        self._tokens = self._expected(self.acceptance.table())
 
     def expected_tokens(self, alpha: torch.Tensor) -> torch.Tensor:
         """`(B, C)` expected tokens of each candidate (accepted drafts + the bonus) for rows of confidence
         `alpha` `(B,)`."""
-        table = self.acceptance.table()[self.acceptance.bin(alpha).cpu()]  # (B, D', R)
-        ranks = self.ranks
-        depths = min(ranks.shape[2], table.shape[1])
-        ranks = ranks[:, :, :depths]
-        real = ranks >= 0
-        index = ranks.clamp(0, table.shape[2] - 1)  # ranks past the table count as its last
-        depth_index = torch.arange(depths)[None, None, :].expand_as(index)
-        a = table[:, depth_index, index]  # (B, C, P, D)
-        pi = torch.where(real[None], a, 1.0).prod(-1) * real[None, :, :, 0]
+        return self._tokens[self.acceptance.bin(alpha).cpu()]
+
+    def _expected(self, table: torch.Tensor) -> torch.Tensor:
+        """`(bins, C)` expected tokens of each candidate at each confidence bin of `table` `(bins, D, R)`."""
+        a = table[:, self._depth_index, self._rank_index]  # (bins, C, P, D)
+        pi = torch.where(self._real[None], a, 1.0).prod(-1) * self._real[None, :, :, 0]
         return 1.0 + pi.sum(-1)
 
     def seconds(self) -> torch.Tensor:
@@ -149,6 +146,11 @@ class RoundPlanner:
         """`(B,)` the candidate of highest expected tokens per second for each row."""
         rate = self.expected_tokens(alpha) / self.seconds().clamp_min(1e-9)[None, :]
         return rate.argmax(-1)
+
+    def observe(self, tree, target_choice: torch.Tensor, path_index: torch.Tensor, alpha: torch.Tensor) -> None:
+        """Learn the target's acceptance from a verified round (`DepthAcceptance.observe`) and price again."""
+        self.acceptance.observe(tree, target_choice, path_index, alpha)
+        self.refresh()
 
     def observe_round(self, round_seconds: float, level_seconds: float, verify_seconds: float) -> None:
         """A round's measured time, its drafter levels' and its verification's: t_round follows the rest."""

@@ -313,17 +313,17 @@ class Decoding:
             tokens = accepted.counts.sum()
             self.cost.observe(tree, accepted.choice, round_seconds, tokens, verify_seconds)  # greedy: choice set
             if self.strategy.plans and not paused:
-                self._observe_plan(tree, accepted.choice, round_seconds, verify_seconds)
+                self._observe_plan(tree, accepted, round_seconds, verify_seconds)
             if self.drafter.may_pause and self.cost.live_scale:  # host times are real (CPU): reading costs nothing
                 self.cost.observe_rate(not paused, round_seconds, int(tokens))
         if self.retired is not None and finished and finished >= RetiredRows.LEAVE_AT * self.batch_size:
             self._retire()
         return result
 
-    def _observe_plan(self, tree, choice: torch.Tensor, round_seconds: float, verify_seconds: float) -> None:
+    def _observe_plan(self, tree, accepted: "_Accepted", round_seconds: float, verify_seconds: float) -> None:
         """What a planned round teaches its planner: the target's acceptance per depth, the round's time."""
         planner = self.strategy.planner
-        planner.acceptance.observe(tree, choice, self.strategy.alpha)
+        planner.observe(tree, accepted.choice, accepted.path_index, self.strategy.alpha)
         levels = self.pricing.take_round_levels() if self.pricing is not None else 0.0
         if self.cost.timed:  # a fixed curve prices rounds as given (`SpecCalibration(cost_profile=...)`)
             planner.observe_round(round_seconds, levels, verify_seconds)
