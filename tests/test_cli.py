@@ -1,5 +1,6 @@
 """The hf-adaptive-spec command line: parsing, argument errors and what the demo times (tiny models only)."""
 
+import re
 
 import pytest
 
@@ -77,3 +78,31 @@ def test_demo_times_speculation_after_the_one_off_cost_curve(tmp_path, monkeypat
     assert timed == [True] and measured == ["warm-up"]
     printed = capsys.readouterr().out
     assert "measured the verifier's cost curve once" in printed and "same output: yes" in printed
+
+
+@pytest.mark.parametrize("strategy", ["sage", "plain"])
+def test_demo_reports_its_speedup_over_plain_generate_and_over_the_plain_mode(strategy, capsys):
+    from tiny_models import build_drafter, build_model, make_inputs
+
+    target = build_model("llama")
+    drafter = build_drafter("llama", target, "copy")
+    assert cli._generate_and_compare(target, drafter, make_inputs("llama"), _Digits(), strategy, None, 8,
+                                     compare=True) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"^plain generate: [0-9.]+s -> speedup [0-9.]+x \(same output: yes\)$", printed, re.MULTILINE)
+    plain_mode = re.search(r'^plain mode \(spec_strategy="plain", no drafter\): [0-9.]+s -> speedup [0-9.]+x '
+                           r"\(same output: yes\)$", printed, re.MULTILINE)
+    assert (plain_mode is not None) == (strategy != "plain")  # the plain mode is no baseline of itself
+
+
+def test_demo_fails_when_a_baseline_gives_other_tokens(monkeypatch, capsys):
+    import torch
+    from tiny_models import build_drafter, build_model, make_inputs
+
+    target = build_model("llama")
+    other = {"plain generate": (1.0, torch.zeros(1, 1, dtype=torch.long))}
+    monkeypatch.setattr(cli, "_baselines", lambda *args: other)
+    assert cli._generate_and_compare(target, build_drafter("llama", target, "copy"), make_inputs("llama"), _Digits(),
+                                     "sage", None, 8, compare=True) == 1
+    printed = capsys.readouterr().out
+    assert "plain generate: 1.00s" in printed and "(same output: NO)" in printed
