@@ -207,6 +207,19 @@ def test_option_errors(tmp_path):
         _args(tmp_path, "--spec-config", "sage:{}")
 
 
+@pytest.mark.parametrize("sklearn", [True, False])
+def test_stock_methods_record_whether_their_confidence_threshold_adapts(tmp_path, monkeypatch, sklearn):
+    # transformers adapts assistant_confidence_threshold only where scikit-learn imports: a results file says so
+    from hf_adaptive_spec.bench import methods as bench_methods
+
+    monkeypatch.setattr(bench_methods, "sklearn_available", lambda: sklearn)
+    args = _args(tmp_path, "--stock-best-kwargs", '{"assistant_confidence_threshold": 0}')
+    built = {m.name: m.resolved for m in bench_methods.build_methods(args, torch.device("cpu"))}
+    assert built["stock_default"]["assistant_confidence_threshold"]  # transformers' default, 0.4
+    assert built["stock_default"]["confidence_threshold_adapts"] is sklearn
+    assert built["stock_best"]["confidence_threshold_adapts"] is False  # no threshold: nothing to adapt
+
+
 def _record(method, prompt_id, time_s, new_tokens=10, tau=(10, 10), category="c1", matches=True, **extra):
     return {"dataset": "d", "category": category, "prompt_id": prompt_id, "method": method, "error": None,
             "matches_plain": matches, "new_tokens": new_tokens, "time_s": time_s, "tau_num": tau[0],

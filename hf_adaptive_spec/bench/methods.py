@@ -13,7 +13,7 @@ import torch
 
 from ..cost import SpecCalibration
 from . import vision as bench_vision
-from .report import jsonable
+from .report import jsonable, sklearn_available
 from .stats import PLAIN, PLAIN_MODE, STOCK_BEST, STOCK_DEFAULT
 
 __all__ = ["GenerationRun", "Method", "build_methods", "check_drafter_options", "default_strategies", "run_method",
@@ -35,7 +35,8 @@ class Method:
         kind: ``"plain"``, ``"plain_mode"`` (the library's rounds without a drafter), ``"stock"`` or ``"spec"``.
         spec_config: the strategy's `spec_config` dict (spec only; None = the strategy's defaults).
         drafter_settings: fields set on the drafter's generation config for the call (stock only).
-        resolved: the effective settings, for the report.
+        resolved: the effective settings, for the report (stock: with `confidence_threshold_adapts`, whether
+            transformers adapts the confidence threshold in the call: scikit-learn importable and a threshold set).
         strategy: the `spec_strategy` a spec method runs (default: `name`).
         visual_tokens: M of a `--visual-tokens` sweep method, else None.
         visual_selection: when a swept independent drafter's M tokens are chosen ("prefill" / "round"), else None.
@@ -103,9 +104,11 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
             if not hasattr(known, key):
                 raise ValueError(f"--stock-best-kwargs: {key!r} is not a GenerationConfig field.")
         base = _effective_stock_settings(drafter)
-        methods.append(Method(STOCK_DEFAULT, "stock", drafter_settings={}, resolved=base))
-        methods.append(Method(STOCK_BEST, "stock", drafter_settings=dict(args.stock_best_kwargs),
-                              resolved={**base, **args.stock_best_kwargs}))
+        for name, settings in ((STOCK_DEFAULT, {}), (STOCK_BEST, dict(args.stock_best_kwargs))):
+            resolved = {**base, **settings}
+            resolved["confidence_threshold_adapts"] = bool(sklearn_available()
+                                                           and resolved.get("assistant_confidence_threshold"))
+            methods.append(Method(name, "stock", drafter_settings=settings, resolved=resolved))
     # (name, strategy, M, selection, config)
     spec = [(name, name, None, None, spec_configs.get(name)) for name in strategies]
     if getattr(args, "visual_tokens", None):

@@ -66,9 +66,15 @@ def _git_commit() -> Optional[str]:
     return None
 
 
-def environment(device: torch.device, started: str) -> dict:
+def sklearn_available() -> bool:
+    """Whether scikit-learn is importable: stock assisted generation (transformers' `AssistedCandidateGenerator`)
+    adapts its `assistant_confidence_threshold` only then (by an ROC curve of the drafts it saw)."""
     import importlib.util
 
+    return importlib.util.find_spec("sklearn") is not None
+
+
+def environment(device: torch.device, started: str) -> dict:
     import transformers
 
     from .. import __version__
@@ -87,7 +93,7 @@ def environment(device: torch.device, started: str) -> dict:
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         # stock assisted generation adapts its confidence threshold only when scikit-learn is importable
-        "sklearn_available": importlib.util.find_spec("sklearn") is not None,
+        "sklearn_available": sklearn_available(),
         # the speculative rounds' small-batch linear kernel (plain generate never uses it)
         "cpu_small_linear": device.type == "cpu" and cpu_linear.enabled(),
     }
