@@ -10,6 +10,12 @@ events (warmup, then the median of `--iters` runs), prints a table and writes
 everything to `--out` as JSON. Sizes are flags; the default compaction case
 (80 layers x K,V x batch 32 x 8 KV heads x 2112 slots x 128 dims, bf16) takes
 ~22 GiB, and cases over `--max-kv-gib` are skipped.
+
+With HF_ADAPTIVE_SPEC_EXAMPLES=tiny the sizes default to tiny ones (seconds); on a machine without a CUDA GPU
+the kernels then run on CPU tensors in the Triton interpreter (`--smoke-cpu`: the check is real, the times
+mean nothing). CI runs it so:
+
+    HF_ADAPTIVE_SPEC_EXAMPLES=tiny python examples/bench_ops_gpu.py --out /tmp/bench_ops_tiny.json
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import sys
 import time
 
 import torch
+
+#: The sizes of tiny mode: every op and code path, a few milliseconds each in the Triton interpreter.
+TINY_SIZES = dict(batches=[1], nodes=8, cache_len=16, layers=[2], kv_heads=2, head_dim=16, accepted=4, vocab=128,
+                  top_k=4, visual_tokens=[16], query_heads=4, visual_kv_heads=2, vote_layers=2, warmup=1, iters=2)
 
 
 def parse_args(argv=None):
@@ -53,6 +63,10 @@ def parse_args(argv=None):
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="check the script itself on CPU tensors in the Triton interpreter (pass tiny sizes; "
                              "the times mean nothing)")
+    # hf_adaptive_spec.examples_support.tiny_mode, read here: importing hf_adaptive_spec imports triton, which must
+    # come after TRITON_INTERPRET is set
+    if os.environ.get("HF_ADAPTIVE_SPEC_EXAMPLES", "real") == "tiny":
+        parser.set_defaults(**TINY_SIZES, smoke_cpu=not torch.cuda.is_available())
     return parser.parse_args(argv)
 
 
@@ -112,6 +126,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.smoke_cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported below
+        print("CPU tensors in the Triton interpreter (--smoke-cpu): the comparisons are real, the times mean nothing")
     elif not torch.cuda.is_available():
         sys.exit("bench_ops_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); "
                  "the kernels' CPU check is `TRITON_INTERPRET=1 python -m pytest tests/test_ops_triton.py`.")

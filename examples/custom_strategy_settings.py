@@ -4,11 +4,11 @@ Every config field left at None takes a per-device default when generate resolve
 smaller: on a CPU a verification forward over many tokens is not free). Whatever the settings, greedy
 output equals plain greedy output; the settings only change speed.
 
-By default this runs on a small random Llama pair (a 4-layer target and its first 2 layers as the drafter),
-so it finishes in seconds anywhere; `--real` uses the Qwen2.5-Coder 1.5B/0.5B pair from the offline
-registry (`hf_adaptive_spec.registry.models`).
+The models are the Qwen2.5-Coder 1.5B/0.5B pair from the offline registry (`hf_adaptive_spec.registry.models`);
+with HF_ADAPTIVE_SPEC_EXAMPLES=tiny, tiny random-weight stand-ins (seconds anywhere, nothing downloaded: CI).
 
-    python examples/custom_strategy_settings.py [--real] [--max-new-tokens 48]
+    python examples/custom_strategy_settings.py [--max-new-tokens 48]
+    HF_ADAPTIVE_SPEC_EXAMPLES=tiny python examples/custom_strategy_settings.py
 """
 
 import argparse
@@ -16,37 +16,22 @@ import dataclasses
 import time
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import hf_adaptive_spec  # noqa: F401  (adds spec_strategy / spec_config to generate)
 from hf_adaptive_spec import ChainConfig, SageConfig, StaticTreeConfig
+from hf_adaptive_spec.examples_support import tiny_mode, tiny_pair
 from hf_adaptive_spec.strategies import default_tree_paths
 
 
-def random_llama(num_layers: int, seed: int = 0) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                         tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return model.eval()
+def load_pair():
+    """(target, drafter, inputs): the Qwen2.5-Coder pair and a chat prompt (tiny stand-ins in tiny mode)."""
+    if tiny_mode():
+        target, drafter, tokenizer = tiny_pair()
+    else:
+        from hf_adaptive_spec.registry.models import load
 
-
-def random_pair():
-    target = random_llama(4)
-    drafter = random_llama(2, seed=1)
-    drafter.load_state_dict(target.state_dict(), strict=False)  # the target's first 2 layers, embeddings, head
-    input_ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
-    return target, drafter, {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-
-
-def real_pair():
-    from hf_adaptive_spec.registry.models import load
-
-    target, tokenizer = load("qwen2.5-coder-1.5b-instruct")
-    drafter, _ = load("qwen2.5-coder-0.5b-instruct")
+        target, tokenizer = load("qwen2.5-coder-1.5b-instruct")
+        drafter, _ = load("qwen2.5-coder-0.5b-instruct")
     messages = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True)
@@ -55,7 +40,6 @@ def real_pair():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--real", action="store_true", help="the Qwen2.5-Coder pair instead of random models")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args()
 
@@ -73,7 +57,7 @@ def main():
     except ValueError as exc:
         print("rejected:", exc)
 
-    target, drafter, inputs = real_pair() if args.real else random_pair()
+    target, drafter, inputs = load_pair()
     generate_kwargs = dict(do_sample=False, max_new_tokens=args.max_new_tokens)
     start = time.perf_counter()
     plain = target.generate(**inputs, **generate_kwargs)

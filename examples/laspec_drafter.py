@@ -7,6 +7,9 @@ The shipped drafter ships inside the package (`hf_adaptive_spec.list_drafters()`
 once the target is in the model cache (`hf-adaptive-spec fetch smollm2-135m-instruct`, 93 MB). The output
 of `spec_strategy="laspec"` is identical to plain greedy decoding; how much faster it is depends on the
 drafter (see docs/benchmarks.md for the measured figures of the shipped one).
+
+With HF_ADAPTIVE_SPEC_EXAMPLES=tiny it runs on tiny random-weight stand-ins instead (a random target and an
+untrained LaSpec drafter sized for it: seconds, nothing downloaded; CI runs it so).
 """
 
 import argparse
@@ -17,7 +20,7 @@ import torch
 
 import hf_adaptive_spec
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel, load_drafter
-from hf_adaptive_spec.registry.models import load
+from hf_adaptive_spec.examples_support import tiny_laspec_drafter, tiny_mode, tiny_pair
 
 PROMPT = "Write a Python function `is_palindrome(s)` that ignores case and punctuation."
 
@@ -39,6 +42,18 @@ def run(target, tokenizer, drafter, prompt, max_new_tokens):
           f"{plain_seconds / seconds:.2f}x vs plain ({stats.pruned_tokens} candidate nodes trimmed by the cost rule)")
 
 
+def load_target_and_drafter():
+    """(target, tokenizer, drafter): SmolLM2-135M-Instruct and its shipped drafter, or tiny stand-ins."""
+    if tiny_mode():
+        target, _, tokenizer = tiny_pair()
+        return target, tokenizer, tiny_laspec_drafter(target)
+    from hf_adaptive_spec.registry.models import load
+
+    target, tokenizer = load("smollm2-135m-instruct")
+    print("shipped drafters:", hf_adaptive_spec.list_drafters())
+    return target, tokenizer, load_drafter("laspec-smollm2-135m-instruct", target)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompt", default=PROMPT)
@@ -46,9 +61,8 @@ def main():
     parser.add_argument("--train-steps", type=int, default=0, help="also train a drafter for this many steps")
     args = parser.parse_args()
 
-    target, tokenizer = load("smollm2-135m-instruct")
-    print("shipped drafters:", hf_adaptive_spec.list_drafters())
-    run(target, tokenizer, load_drafter("laspec-smollm2-135m-instruct", target), args.prompt, args.max_new_tokens)
+    target, tokenizer, drafter = load_target_and_drafter()
+    run(target, tokenizer, drafter, args.prompt, args.max_new_tokens)
 
     if args.train_steps:
         from hf_adaptive_spec.training import TrainConfig, build_examples, train_drafter

@@ -8,6 +8,12 @@ budget between the two: it answers the prompts in chunks (shuffled, so any prefi
 the folder with its model card. On one H200 (2026-11-30): 5120 prompts x 2 answers in 165 s (SmolLM2-135M,
 batches of 512), then 85 ms per training step at 16 sequences x 32 anchors (docs/benchmarks.md,
 training drafters).
+
+With HF_ADAPTIVE_SPEC_EXAMPLES=tiny, a tiny random-weight target stands in for --target (seconds, nothing
+downloaded; CI runs it so):
+
+    HF_ADAPTIVE_SPEC_EXAMPLES=tiny python examples/train_drafter_timed.py --budget 20 --out /tmp/tiny-drafter \
+        --specs templates --max-prompts 8 --max-new-tokens 16 --steps 4
 """
 import argparse
 import random
@@ -18,7 +24,8 @@ from pathlib import Path
 
 T0 = time.time()
 parser = argparse.ArgumentParser()
-parser.add_argument("--target", required=True)
+parser.add_argument("--target", default=None,
+                    help="registry name or folder (required unless HF_ADAPTIVE_SPEC_EXAMPLES=tiny)")
 parser.add_argument("--target-name", default="smollm2-135m-instruct")
 parser.add_argument("--budget", type=float, required=True, help="seconds for this whole script")
 parser.add_argument("--data-fraction", type=float, default=0.42, help="share of the budget for making data")
@@ -35,6 +42,8 @@ parser.add_argument("--layers", type=int, default=1)
 parser.add_argument("--fuse-previous-state", action="store_true", help="see LaSpecDrafterConfig.fuse_previous_state")
 parser.add_argument("--batch-sequences", type=int, default=16)
 parser.add_argument("--anchors", type=int, default=32)
+parser.add_argument("--steps", type=int, default=100_000,
+                    help="training steps at most (the budget may end training sooner)")
 parser.add_argument("--lr", type=float, default=1e-3)
 parser.add_argument("--eval-every", type=int, default=1000)
 parser.add_argument("--eval-fraction", type=float, default=0.04)
@@ -50,6 +59,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel  # noqa: E402
+from hf_adaptive_spec.examples_support import tiny_mode, tiny_pair  # noqa: E402
 from hf_adaptive_spec.loading import load_model  # noqa: E402
 from hf_adaptive_spec.training.cli import (  # noqa: E402
     _prompts, save_drafter_folder, set_frequent_vocabulary, split_held_out)
@@ -57,7 +67,12 @@ from hf_adaptive_spec.training.data import build_examples  # noqa: E402
 from hf_adaptive_spec.training.trainer import TrainConfig, train_drafter  # noqa: E402
 
 accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
-target, tokenizer = load_model(args.target)
+if tiny_mode():
+    target, _, tokenizer = tiny_pair()
+elif args.target is None:
+    parser.error("--target is required (or HF_ADAPTIVE_SPEC_EXAMPLES=tiny for a tiny random-weight target)")
+else:
+    target, tokenizer = load_model(args.target)
 target = target.to(accelerator.device).eval().requires_grad_(False)
 config = LaSpecDrafterConfig.for_target(target, block_size=4, num_hidden_layers=args.layers,
                                         fuse_previous_state=args.fuse_previous_state,
@@ -89,7 +104,7 @@ log(f"{len(train_examples)} train / {len(eval_examples)} held-out sequences, "
 drafter = LaSpecDrafterModel(config).to(accelerator.device).attach_target(target)
 draft_vocab = set_frequent_vocabulary(drafter, train_examples, 16384)  # trained over: ~2x faster steps
 train_seconds = args.budget - (time.time() - T0) - args.reserve
-train_config = TrainConfig(steps=100_000, learning_rate=args.lr, batch_sequences=args.batch_sequences,
+train_config = TrainConfig(steps=args.steps, learning_rate=args.lr, batch_sequences=args.batch_sequences,
                            anchors=args.anchors, loss="acceptance", checkpoint_every=0, eval_every=args.eval_every,
                            max_seconds=max(train_seconds, 5.0))
 t = time.time()
