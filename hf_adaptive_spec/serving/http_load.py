@@ -20,7 +20,8 @@ p99) and time to first token (mean, p50, p90) in seconds over the requests answe
 percentiles by linear interpolation), throughput (completion tokens per second and answered requests per second
 over the run's wall time), the server's ``/health`` before and after and the change of every counter in it
 (e.g. the engine's rounds and the structures it verified), and one record per request (its times, status, token
-counts and answer text).
+counts, answer text, and behind Ray Serve the replica that answered and how many times the request was sent
+again).
 `markdown_table` puts reports side by side.
 """
 
@@ -143,6 +144,8 @@ class _Record:
     finish_reason: Optional[str] = None
     text: str = ""  # the answer as streamed
     error: Optional[str] = None
+    replica: Optional[str] = None  # the Ray Serve replica that answered (its x-replica header)
+    retried: int = 0  # how many times the Ray Serve proxy sent the request again (its x-retried header)
     done: bool = field(default=False, repr=False)
 
     @property
@@ -190,6 +193,8 @@ async def _one(client, spec: LoadSpec, url: str, model: Optional[str], record: _
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
             record.status = str(response.status_code)
+            record.replica = response.headers.get("x-replica")
+            record.retried = int(response.headers.get("x-retried", 0))
             if response.status_code != 200:
                 record.error = (await response.aread()).decode("utf-8", "replace")[:300]
                 return

@@ -25,6 +25,7 @@ hf_adaptive_spec.serving.ray_app:build_app target=... replicas=2`` and config fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -328,13 +329,13 @@ def build_app(args: dict):
     return application(ServedModel.from_strings(args), api_key=api_key, **scaling)
 
 
-def _wait_for_signal() -> None:
-    """Block until SIGTERM or SIGINT (handlers restored afterwards)."""
+@contextlib.contextmanager
+def _stop_signals():
+    """An event SIGTERM and SIGINT set while the block runs (the previous handlers restored afterwards)."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while not stop.wait(1.0):
-            pass
+        yield stop
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -346,24 +347,26 @@ def run(model: ServedModel, host: str = "127.0.0.1", port: int = 8000, ray_addre
 
     Joins the cluster at `ray_address` (e.g. ``auto`` or ``ray://head:10001``), else starts Ray on this machine;
     `start_serve(host, port)`; deploys `application(model, api_key, **scaling)` as ``APP_NAME`` at ``/``. At the
-    signal the app is deleted (its replicas drain for up to `scaling`'s ``drain_timeout``); Ray started here
-    stops too.
+    signal (one during the deployment counts once it is done) the app is deleted (its replicas drain for up to
+    `scaling`'s ``drain_timeout``); Ray started here stops too.
     """
     warn_if_exposed(host, api_key)
     app = application(model, api_key=api_key, **scaling)
     _, wanted = deployment_options(model, **scaling)
     ray.init(**({"address": ray_address} if ray_address else {"include_dashboard": False}))
     try:
-        start_serve(host, port)
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        replicas = (f"{wanted['target']} replica(s)" if "target" in wanted
-                    else f"autoscaling between {wanted['min']} and {wanted['max']} replicas")
-        print(f"serving {model.name} on http://{host}:{port}/v1 ({replicas})", flush=True)
-        _wait_for_signal()
-        print("shutting down: requests in flight run on while the replicas drain", flush=True)
-        serve.delete(APP_NAME)
-        if ray_address is None:
-            serve.shutdown()
+        with _stop_signals() as stop:  # after ray.init, which sets its own handlers
+            start_serve(host, port)
+            serve.run(app, name=APP_NAME, route_prefix="/")
+            replicas = (f"{wanted['target']} replica(s)" if "target" in wanted
+                        else f"autoscaling between {wanted['min']} and {wanted['max']} replicas")
+            print(f"serving {model.name} on http://{host}:{port}/v1 ({replicas})", flush=True)
+            while not stop.wait(1.0):
+                pass
+            print("shutting down: requests in flight run on while the replicas drain", flush=True)
+            serve.delete(APP_NAME)
+            if ray_address is None:
+                serve.shutdown()
     finally:
         ray.shutdown()
     return 0
