@@ -5,8 +5,10 @@ each), behind Ray Serve's HTTP proxy on a free 127.0.0.1 port, guarded by an API
 Greedy answers through the proxy (a real OpenAI client and httpx, streamed and not, several at once) equal plain
 `generate` for each prompt alone; refusals keep their status (400, 401, 404, 429); a replica killed mid-run ends
 its streams with an error event after a correct prefix, every other request is answered correctly or refused as
-retriable, and Ray brings the replica back; deleting the app drains the requests in flight. The proxy's failure
-middleware is also driven directly, with a fake inner app. Every wait polls a condition under a deadline.
+retriable, and Ray brings the replica back; deleting the app drains the requests in flight. Before that cluster
+starts: the proxy's failure middleware driven directly (a fake inner app), the deployment options, the builder's
+string arguments, the single-process server importing no Ray, and `serve --replicas 1` in a process of its own
+(it answers, and drains a stream at SIGTERM). Every wait polls a condition under a deadline.
 """
 
 from __future__ import annotations

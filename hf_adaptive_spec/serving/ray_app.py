@@ -345,7 +345,7 @@ def run(model: ServedModel, host: str = "127.0.0.1", port: int = 8000, ray_addre
         api_key: Optional[str] = None, **scaling) -> int:
     """Serve `model` as Ray Serve replicas until SIGTERM / Ctrl-C (blocking); 0 after a clean shutdown.
 
-    Joins the cluster at `ray_address` (e.g. ``auto`` or ``ray://head:10001``), else starts Ray on this machine;
+    Joins the cluster at `ray_address` (``auto``, or the head's ``IP:6379``), else starts Ray on this machine;
     `start_serve(host, port)`; deploys `application(model, api_key, **scaling)` as ``APP_NAME`` at ``/``. At the
     signal (one during the deployment counts once it is done) the app is deleted (its replicas drain for up to
     `scaling`'s ``drain_timeout``); Ray started here stops too.
