@@ -10,9 +10,9 @@ deployment run against the target (``replicas``); every answer carries the repli
 What a client sees when its replica dies is settled in the proxy, by `ReplicaFailureMiddleware`, which Ray's
 proxy loads from ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` (`PROXY_CALLBACK`; `start_serve` sets it in the
 controller's environment, which the proxies inherit; a config file sets it under ``controller_options``): a
-request nothing was sent for yet is sent again (to a live replica), then answered 503 with
-an OpenAI error body; a stream cut short ends with an error event and ``data: [DONE]``. Answers are never
-altered: a client gets the tokens one replica generated, or an error.
+request nothing was sent for yet is sent again (to a live replica), then answered 503 with an OpenAI error body;
+a stream cut short ends with an error event and ``data: [DONE]``. Answers are never altered: a client gets the
+tokens one replica generated, or an error.
 
 Shutdown (SIGTERM / Ctrl-C to `run`, or the deployment deleted): Ray stops routing to the replicas and waits for
 the requests in flight for up to ``graceful_shutdown_timeout_s`` (``--drain-timeout``) before the app's lifespan
@@ -87,8 +87,8 @@ class EngineReplica:
         self._app_name, self._deployment = context.app_name, context.deployment
         self._wanted = dict(wanted or {})
         self.engine, processor = model.build()
-        self.server_app = create_app(self.engine, processor, model.name, api_key=api_key, extra_stats=self.cluster,
-                              **model.app_options())
+        self.server_app = create_app(self.engine, processor, model.name, api_key=api_key,
+                                     extra_stats=self.cluster, **model.app_options())
         self.server_app.add_middleware(_ReplicaHeader, replica=self.replica_name)
 
     def __serve_build_asgi_app__(self):
@@ -123,7 +123,7 @@ class _Response:
         self.started = False
         self.complete = False
         self.event_stream = False
-        self._proxy_error = None  # the start message of a proxy-made error, held while its text is read
+        self._proxy_error = None  # (status, Retry-After) of a proxy-made error, held while its text is read
         self._text = b""
 
     async def send(self, message) -> None:
