@@ -63,6 +63,7 @@ BAD_VALUES = [
     (SageConfig, "depth_cap", -5, ValueError),
     (SageConfig, "adaptive_history", 0, TypeError),
     (SageConfig, "verify_cost", "no", TypeError),
+    (SageConfig, "plan", "yes", TypeError),
     *[(config_class, name, value, error) for config_class in (ChainConfig, StaticTreeConfig, SageConfig)
       for name, value, error in (("visual_tokens", 2.0, TypeError), ("visual_tokens", -1, ValueError),
                                  ("visual_selection", None, TypeError), ("visual_selection", "always", ValueError))],
