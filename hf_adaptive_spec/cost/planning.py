@@ -42,8 +42,11 @@ class DepthAcceptance:
     """P(target accepts a node | its parent was accepted), per confidence bin of the round (SAGE's alpha), depth
     and sibling rank, learned from every verified node.
 
-    A cell's estimate is its counts plus `weight` pseudo-counts at the estimate of the depth above (depth 1: at
-    the prior `prior(alpha, rank)`), so a depth the rounds rarely reach follows the depths they do reach.
+    Estimates shrink twice, so that one call's few dozen rounds already price well: a (depth, rank) estimate
+    pooled over every bin is its counts plus `weight` pseudo-counts at the pooled estimate of the depth above
+    (depth 1: at the prior `prior(alpha, rank)`, averaged over the bins), so a depth the rounds rarely reach
+    follows the depths they do reach; a bin's own estimate is its counts plus `weight` pseudo-counts at that
+    pooled estimate.
     """
 
     def __init__(self, max_depth: int, max_rank: int, bins: int = 10, weight: float = 2.0):
@@ -61,12 +64,13 @@ class DepthAcceptance:
     def table(self) -> torch.Tensor:
         """`(bins, depths, ranks)` the estimates."""
         centres = (torch.arange(self.bins, dtype=torch.float64) + 0.5) / self.bins
-        above = self.prior(centres, self.accepted.shape[2])
-        out = torch.empty_like(self.accepted)
-        for depth in range(self.accepted.shape[1]):
-            above = (self.accepted[:, depth] + self.weight * above) / (self.total[:, depth] + self.weight)
-            out[:, depth] = above
-        return out
+        above = self.prior(centres, self.accepted.shape[2]).mean(0)  # (ranks,)
+        pooled_accepted, pooled_total = self.accepted.sum(0), self.total.sum(0)  # (depths, ranks)
+        pooled = torch.empty_like(pooled_total)
+        for depth in range(pooled.shape[0]):
+            above = (pooled_accepted[depth] + self.weight * above) / (pooled_total[depth] + self.weight)
+            pooled[depth] = above
+        return (self.accepted + self.weight * pooled[None]) / (self.total + self.weight)
 
     def bin(self, alpha: torch.Tensor) -> torch.Tensor:
         return (alpha.double() * self.bins).long().clamp(0, self.bins - 1)
@@ -100,11 +104,13 @@ class RoundPlanner:
     """
 
     SMOOTHING = 0.3
+    REFRESH_EVERY = 8  # observed rounds between two pricings of the candidates' tokens (after the first ones)
 
     def __init__(self, shapes: list, acceptance: DepthAcceptance, verify_seconds, level_seconds):
         self.shapes, self.acceptance = shapes, acceptance
         self.verify_seconds, self.level_seconds = verify_seconds, level_seconds
         self.round_seconds = 0.0  # t_round: a round's time outside drafter levels and verification (measured)
+        self.observed = 0  # rounds learned from
         depth = max(len(p) for shape in shapes for p in shape)
         size = max(len(shape) for shape in shapes)
         # (C, P, D) rank of each path's node at each depth; -1 past the path's end (and for padding paths)
@@ -148,9 +154,13 @@ class RoundPlanner:
         return rate.argmax(-1)
 
     def observe(self, tree, target_choice: torch.Tensor, path_index: torch.Tensor, alpha: torch.Tensor) -> None:
-        """Learn the target's acceptance from a verified round (`DepthAcceptance.observe`) and price again."""
+        """Learn the target's acceptance from a verified round (`DepthAcceptance.observe`); the candidates are
+        priced again after each of the first `REFRESH_EVERY` rounds, then every `REFRESH_EVERY` rounds (a round
+        moves the estimates little, and pricing costs more than counting)."""
         self.acceptance.observe(tree, target_choice, path_index, alpha)
-        self.refresh()
+        self.observed += 1
+        if self.observed <= self.REFRESH_EVERY or self.observed % self.REFRESH_EVERY == 0:
+            self.refresh()
 
     def observe_round(self, round_seconds: float, level_seconds: float, verify_seconds: float) -> None:
         """A round's measured time, its drafter levels' and its verification's: t_round follows the rest."""
