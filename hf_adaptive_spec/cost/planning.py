@@ -43,14 +43,17 @@ class DepthAcceptance:
     and sibling rank, learned from every verified node.
 
     Estimates shrink twice, so that one call's few dozen rounds already price well: a (depth, rank) estimate
-    pooled over every bin is its counts plus `weight` pseudo-counts at the pooled estimate of the depth above
-    (depth 1: at the prior `prior(alpha, rank)`, averaged over the bins), so a depth the rounds rarely reach
+    pooled over every bin is its counts plus `depth_weight` pseudo-counts at the pooled estimate of the depth
+    above (depth 1: at the prior `prior(alpha, rank)`, averaged over the bins), so a depth the rounds rarely reach
     follows the depths they do reach; a bin's own estimate is its counts plus `weight` pseudo-counts at that
-    pooled estimate.
+    pooled estimate. The planner prices with an optimistic bound (`table(optimistic=True)`): a cell seen few
+    times gets the benefit of the doubt, so a depth the plans stopped short of is tried again until its own
+    counts say what it is worth (rounds that never go deeper would otherwise never learn that they should).
     """
 
-    def __init__(self, max_depth: int, max_rank: int, bins: int = 10, weight: float = 2.0):
-        self.bins, self.weight = bins, weight
+    def __init__(self, max_depth: int, max_rank: int, bins: int = 10, weight: float = 2.0,
+                 depth_weight: float = 8.0):
+        self.bins, self.weight, self.depth_weight = bins, weight, depth_weight
         self.accepted = torch.zeros(bins, max_depth, max_rank, dtype=torch.float64)
         self.total = torch.zeros_like(self.accepted)
 
@@ -61,16 +64,20 @@ class DepthAcceptance:
         top = 0.3 + 0.6 * alpha
         return top[:, None] * (1.0 / 3.0) ** torch.arange(ranks, dtype=torch.float64)[None, :]
 
-    def table(self) -> torch.Tensor:
-        """`(bins, depths, ranks)` the estimates."""
+    def table(self, optimistic: bool = False) -> torch.Tensor:
+        """`(bins, depths, ranks)` the estimates; `optimistic`: each raised by one standard error of its pooled
+        cell, sqrt(a (1 - a) / (n + 1)) with n its pooled count (at most 1)."""
         centres = (torch.arange(self.bins, dtype=torch.float64) + 0.5) / self.bins
         above = self.prior(centres, self.accepted.shape[2]).mean(0)  # (ranks,)
         pooled_accepted, pooled_total = self.accepted.sum(0), self.total.sum(0)  # (depths, ranks)
         pooled = torch.empty_like(pooled_total)
         for depth in range(pooled.shape[0]):
-            above = (pooled_accepted[depth] + self.weight * above) / (pooled_total[depth] + self.weight)
+            above = (pooled_accepted[depth] + self.depth_weight * above) / (pooled_total[depth] + self.depth_weight)
             pooled[depth] = above
-        return (self.accepted + self.weight * pooled[None]) / (self.total + self.weight)
+        table = (self.accepted + self.weight * pooled[None]) / (self.total + self.weight)
+        if optimistic:
+            table = (table + (table * (1 - table) / (pooled_total[None] + 1)).sqrt()).clamp(max=1.0)
+        return table
 
     def bin(self, alpha: torch.Tensor) -> torch.Tensor:
         return (alpha.double() * self.bins).long().clamp(0, self.bins - 1)
@@ -129,7 +136,7 @@ class RoundPlanner:
 
     def refresh(self) -> None:
         """Price the candidates' tokens again from what the acceptance has learned (after `observe`)."""
-        self._tokens = self._expected(self.acceptance.table())
+        self._tokens = self._expected(self.acceptance.table(optimistic=True))
 
     def expected_tokens(self, alpha: torch.Tensor) -> torch.Tensor:
         """`(B, C)` expected tokens of each candidate (accepted drafts + the bonus) for rows of confidence
