@@ -11,27 +11,67 @@ Kinds: ``methods [DATASET]`` (the method table of one data set, or of all), ``ca
 plain per category), ``grounded DATASET`` (grounded-token acceptance) and ``sweep`` (the visual-token sweep):
 the same tables the bench writes in its ``results.md``; from a ``--load-sweep``'s ``load_sweep.json``,
 ``load throughput``, ``load tau`` and ``load sizes`` (the tables of its ``load_sweep.md``), and from an
-``--arrivals`` run's ``arrivals.json``, ``arrivals``. Everything between the markers is replaced; the prose
-around them is the author's.
+``--arrivals`` run's ``arrivals.json``, ``arrivals``; from a ``--memory`` run's ``memory.json``, ``memory``, and
+from a ``--cold`` run's ``cold.json``, ``cold`` (the tables those modes print). Everything between the markers
+is replaced; the prose around them is the author's.
+
+Two general kinds draw any other table. Their arguments are split as a shell splits words (quote what holds
+spaces), and a marker may run over several lines.
+
+``rows KEYPATH [where:CONDITION] [by:FIELD,...] [rule:RULE] COLUMN...`` takes the records at ``KEYPATH`` (dotted
+keys, list items by index: ``runs``, ``aggregates.datasets.mtbench``; a mapping gives one record per entry, its
+key as ``_key``), keeps those that meet every ``where:`` (``key=v1,v2`` terms joined by ``&``; numbers compare
+as numbers), and writes one row per record, or per group of records equal in the ``by:`` fields (in order of
+first appearance). Each ``COLUMN`` is ``HEADER=VALUE[|AGGREGATE][:FORMAT]``: ``VALUE`` a dotted field of the
+record, optionally ``FIELD@CONDITION`` (only the group's records that meet it) or ``A@C1/B@C2`` (the ratio of
+paired records, in order: a run over the baseline of the same pass); ``AGGREGATE`` over the group's values:
+``first`` (the default), ``mean``, ``min``, ``max``, ``sum``, ``range`` (``lo-hi``, the format's suffix once),
+``list`` (comma-separated) or ``listmean`` (the list and its mean); ``FORMAT`` a format spec (``.2f``) or a
+template (``{:.2f}x``, ``{:.0%}``). Missing values print ``–``, booleans ``yes`` / ``no``. ``rule:`` sets the
+alignment line (default: right-aligned where a format is given). Example, one row per rate of a served run with
+the latency of ``laspec`` over ``off`` pass by pass::
+
+    <!-- bench-table: benchmarks/served/served.json rows runs where:arrivals=poisson by:rate
+         "rate=rate" "off s=latency_s.mean@method=off|mean:.2f"
+         "vs off=latency_s.mean@method=laspec/latency_s.mean@method=off|listmean:{:.2f}x" -->
+
+``headline HEADER | HEADER ...`` (no results file before it; the README's results table) takes one row per
+following line of the marker, ``FILES SCOPE METHOD | CELL | CELL ...``: ``FILES`` one results file or several
+joined by commas (named runs whose figures become ``lo-hi`` ranges), ``SCOPE`` a data set, ``all`` (a bench
+run's every data set) or ``levels`` (every level of a load sweep), ``METHOD`` the method whose tau, speedup over
+plain and over the plain mode fill the columns after the cells, and the date and machine the last. A cell may
+quote another method's figures of the same runs: ``{stock_default.speedup}``, ``{chain.mode}``, ``{sage.tau}``.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 from . import vision as bench_vision
+from .cold import cold_table
 from .concurrency_report import arrivals_table, sweep_tables
+from .docs_rows import headline_table, rows_table
+from .memory import memory_table
 from .report import category_table, method_table
 
 __all__ = ["refresh", "render_table"]
 
-_BLOCK = re.compile(r"(<!-- bench-table: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /bench-table -->)", re.DOTALL)
+_BLOCK = re.compile(r"(<!-- bench-table: (?P<spec>[^>]*?)\s+-->\n)(?P<body>.*?)(<!-- /bench-table -->)", re.DOTALL)
 
 
-def render_table(results: dict, kind: str, dataset: str | None = None) -> list:
-    """The Markdown lines of one table of a bench `results.json` (see the module docstring)."""
+def render_table(results: dict, kind: str, dataset: str | None = None, *arguments: str) -> list:
+    """The Markdown lines of one table of a results file (see the module docstring)."""
+    if kind == "rows":
+        return rows_table(results, [dataset, *arguments] if dataset is not None else list(arguments))
+    if arguments:
+        raise ValueError(f"the {kind!r} table takes at most one argument, got {[dataset, *arguments]}.")
+    if kind == "memory":
+        return memory_table(results["records"]).split("\n")
+    if kind == "cold":
+        return cold_table(results).rstrip("\n").split("\n")
     if kind == "arrivals":
         return arrivals_table(results)
     if kind == "load":
@@ -53,7 +93,7 @@ def render_table(results: dict, kind: str, dataset: str | None = None) -> list:
             raise ValueError("the results hold no visual-token sweep (bench --visual-tokens).")
         return bench_vision.sweep_table(results["visual_sweep"], aggregates.get("overall"))
     raise ValueError(f"unknown table {kind!r}{' ' + dataset if dataset else ''}: valid are methods [DATASET], "
-                     "categories DATASET, grounded DATASET, sweep, load throughput|tau|sizes, arrivals.")
+                     "categories DATASET, grounded DATASET, sweep, load throughput|tau|sizes, arrivals, memory, cold, rows.")
 
 
 def refresh(path, check: bool = False) -> list:
@@ -67,15 +107,21 @@ def refresh(path, check: bool = False) -> list:
     changed = []
 
     def replace(match) -> str:
-        spec = match.group("spec").split()
-        if len(spec) not in (2, 3):
-            raise ValueError(f"{path}: a bench-table marker needs 'RESULTS_JSON KIND [DATASET]', got {spec}.")
-        source = path.parent / spec[0]
-        if not source.is_file():
-            raise FileNotFoundError(f"{path}: no results file {source} (marker {' '.join(spec)}).")
-        body = "\n".join(render_table(json.loads(source.read_text()), *spec[1:])) + "\n"
+        text = match.group("spec")
+        if text.startswith("headline"):
+            first, *lines = text.split("\n")
+            spec = ["headline", *lines[:1]]
+            body = "\n".join(headline_table(path, first[len("headline"):], lines)) + "\n"
+        else:
+            spec = shlex.split(text)
+            if len(spec) < 2:
+                raise ValueError(f"{path}: a bench-table marker needs 'RESULTS_JSON KIND [ARGUMENTS]', got {spec}.")
+            source = path.parent / spec[0]
+            if not source.is_file():
+                raise FileNotFoundError(f"{path}: no results file {source} (marker {' '.join(spec)}).")
+            body = "\n".join(render_table(json.loads(source.read_text()), *spec[1:])) + "\n"
         if body != match.group("body"):
-            changed.append(" ".join(spec))
+            changed.append(" ".join(spec[:4]))
         return match.group(1) + body + match.group(4)
 
     new = _BLOCK.sub(replace, text)
