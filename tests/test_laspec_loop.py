@@ -87,6 +87,22 @@ def test_laspec_with_previous_state_fusion_equals_plain(arch):
     assert torch.equal(out.sequences, expected)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_vl"])
+@pytest.mark.parametrize("strategy", ["laspec", "sage", "chain"])
+def test_text_only_drafter_equals_plain(arch, strategy):
+    """A drafter built without the visual branch (num_visual_tokens=0), on a text and on a VLM target."""
+    target = build_model(arch)
+    inputs = make_inputs(arch, batch_size=2)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    drafter = _drafter(target, num_visual_tokens=0)
+    out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                          spec_strategy=strategy, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    with pytest.raises(ValueError, match="text-only drafter"):
+        target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=drafter,
+                        spec_strategy="laspec", spec_config={"num_visual_tokens": 4})
+
+
 def test_fused_state_follows_each_rows_accepted_path():
     """prefill keeps each row's last prompt state, commit the state of each row's last ACCEPTED node."""
     target = build_model("llama")

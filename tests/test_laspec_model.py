@@ -338,3 +338,28 @@ def test_previous_state_fusion(target):
                             position_ids=inputs["position_ids"])
     with pytest.raises(ValueError, match="previous_state must have shape"):
         fused(**inputs, previous_state=last[:, :5])
+
+
+def test_text_only_drafter_has_no_visual_branch_and_round_trips(target, tmp_path):
+    """num_visual_tokens=0 builds no visual branch (fewer weights), refuses visual inputs and survives save/load."""
+    with_branch = _drafter(target)
+    drafter = _drafter(target, num_visual_tokens=0)
+    names = [name for name, _ in drafter.named_parameters()]
+    assert not any("visual" in name for name in names)
+    extra = sum(p.numel() for n, p in with_branch.named_parameters() if "visual" in n)
+    assert sum(p.numel() for p in drafter.parameters()) == sum(p.numel() for p in with_branch.parameters()) - extra
+    inputs, visual = _inputs(target, drafter)
+    with torch.no_grad():
+        expected = drafter(**inputs).logits
+    with pytest.raises(ValueError, match="text-only drafter"):
+        drafter(**inputs, visual_embeds=visual[:, :1])
+    drafter.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path).attach_target(target).eval()
+    assert loaded.config.num_visual_tokens == 0 and loaded.layers[0].visual_attn is None
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, expected)
+
+
+def test_negative_visual_tokens_are_refused(target):
+    with pytest.raises((ValueError, StrictDataclassClassValidationError), match="num_visual_tokens"):
+        LaSpecDrafterConfig.for_target(target, num_visual_tokens=-1)

@@ -57,7 +57,8 @@ CLOSED_GATE = 1e-3
 
 def visual_branch_open(model: LaSpecDrafterModel) -> bool:
     """Whether any layer's visual gate is open past `CLOSED_GATE` (else the visual branch is skipped)."""
-    return any(float(torch.tanh(layer.visual_gate.detach()).abs().max()) > CLOSED_GATE for layer in model.layers)
+    return any(layer.visual_gate is not None and float(torch.tanh(layer.visual_gate.detach()).abs().max()) > CLOSED_GATE
+               for layer in model.layers)
 
 
 def choose_visual_slots(queries: dict, store: VisualKeyStore, num_visual_tokens: int) -> torch.Tensor:
@@ -104,6 +105,9 @@ class BlockDrafter(Drafter):
         config = model.config
         self.block_size = self.max_depth = block_size or config.block_size
         self.num_visual_tokens = config.num_visual_tokens if num_visual_tokens is None else num_visual_tokens
+        if self.num_visual_tokens > 0 and config.num_visual_tokens == 0:
+            raise ValueError(f"num_visual_tokens={self.num_visual_tokens} for a text-only drafter "
+                             "(config.num_visual_tokens == 0: it has no visual branch).")
         self.context_lookup = context_lookup
         self.lookup_tokens = lookup_tokens or self.block_size
         self.datastore = datastore

@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="held-out share of the PROMPTS (all answers to a held-out prompt are held out)")
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--layers", type=int, default=1, help="drafter decoder layers (1-2)")
+    parser.add_argument("--intermediate-size", type=int, default=None,
+                        help="the drafter layer's MLP width (default: the target's; a narrower one makes a smaller, "
+                             "cheaper drafter)")
+    parser.add_argument("--num-visual-tokens", type=int, default=None,
+                        help="visual tokens the drafter attends to (default 8); 0 builds a text-only drafter "
+                             "without the visual branch (smaller; for text targets)")
     parser.add_argument("--fuse-previous-state", action="store_true",
                         help="feed the target's state before each block into every block position's input "
                              "(EAGLE-style fusion; see LaSpecDrafterConfig.fuse_previous_state)")
@@ -251,8 +257,10 @@ def initialize_from(drafter, source) -> None:
         raise ValueError(f"--init-from: weights do not match (missing {missing}, unexpected {unexpected}).")
     with torch.no_grad():
         for layer in drafter.layers[source.config.num_hidden_layers :]:
-            for projection in (layer.self_attn.o_proj, layer.visual_attn.o_proj, layer.mlp.down_proj):
+            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 projection.weight.zero_()
+            if layer.visual_attn is not None:
+                layer.visual_attn.o_proj.weight.zero_()
         if new_fusion:
             drafter.previous_proj.weight.zero_()
 
@@ -298,6 +306,20 @@ def check_cache_prompts(examples: list, prompts: list, cache) -> None:
         raise ValueError(f"--data-cache {cache} was made for other prompts than --data/--prompts select: it has "
                          + " and ".join(part for part in parts if part) + ". Pass the --data it was made with, "
                          "or another --data-cache file to make the examples anew.")
+
+
+def _size_overrides(args) -> dict:
+    """The drafter config fields `--intermediate-size` / `--num-visual-tokens` set (none: the defaults)."""
+    overrides = {}
+    if args.intermediate_size is not None:
+        if args.intermediate_size < 1:
+            raise SystemExit(f"--intermediate-size must be >= 1, got {args.intermediate_size}.")
+        overrides["intermediate_size"] = args.intermediate_size
+    if args.num_visual_tokens is not None:
+        if args.num_visual_tokens < 0:
+            raise SystemExit(f"--num-visual-tokens must be >= 0, got {args.num_visual_tokens}.")
+        overrides["num_visual_tokens"] = args.num_visual_tokens
+    return overrides
 
 
 def split_held_out(examples: list, fraction: float, seed: int = 0) -> tuple[list, list]:
@@ -410,7 +432,7 @@ def run(args) -> int:
                                                     num_hidden_layers=args.layers,
                                                     fuse_previous_state=args.fuse_previous_state,
                                                     context_without_image=args.context_without_image,
-                                                    target_model_name=args.target)
+                                                    target_model_name=args.target, **_size_overrides(args))
     cache = Path(args.data_cache) if args.data_cache else None
     generate_dtype = None if args.generate_dtype == "same" else getattr(torch, args.generate_dtype)
     by_spec = prompts_by_spec(args.data, seed=args.seed, processor=processor)

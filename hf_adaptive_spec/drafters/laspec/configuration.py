@@ -33,7 +33,8 @@ class LaSpecDrafterConfig(PreTrainedConfig):
         block_size (`int`, defaults to 4): tokens drafted per forward (B).
         mask_token_id (`int`, *optional*): if set, MASK positions use the target's embedding of this id;
             if `None` (default) a learned mask embedding is used.
-        num_visual_tokens (`int`, defaults to 8): visual tokens the drafter attends to (M).
+        num_visual_tokens (`int`, defaults to 8): visual tokens the drafter attends to (M); 0 builds a text-only
+            drafter without the visual branch.
         vision_hidden_size (`int`, *optional*): width of the visual embeddings fed to the cross-attention;
             defaults to `target_hidden_size`.
         rope_theta (`float`, defaults to 10000.0): base of the drafter's plain 1D RoPE.
@@ -108,6 +109,8 @@ class LaSpecDrafterConfig(PreTrainedConfig):
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE.")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if self.num_visual_tokens < 0:
+            raise ValueError(f"num_visual_tokens must be >= 0, got {self.num_visual_tokens}.")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer.")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:

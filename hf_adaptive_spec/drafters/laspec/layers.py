@@ -133,10 +133,13 @@ class LaSpecDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LaSpecSelfAttention(config)
-        self.visual_layernorm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.visual_attn = LaSpecVisualCrossAttention(config)
-        # tanh(0) = 0: the cross-attention branch contributes exactly nothing until trained
-        self.visual_gate = nn.Parameter(torch.zeros(1))
+        # num_visual_tokens == 0: a text-only drafter, built without the visual branch
+        self.visual_layernorm = self.visual_attn = self.visual_gate = None
+        if config.num_visual_tokens > 0:
+            self.visual_layernorm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.visual_attn = LaSpecVisualCrossAttention(config)
+            # tanh(0) = 0: the cross-attention branch contributes exactly nothing until trained
+            self.visual_gate = nn.Parameter(torch.zeros(1))
         self.post_attention_layernorm = LaSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LaSpecMLP(config)
 

@@ -374,6 +374,9 @@ class LaSpecDrafterModel(TargetModules, DraftVocabulary, PreTrainedModel):
     def _visual_inputs(self, visual_embeds, visual_mask, batch: int, num_blocks: int, dtype: torch.dtype, device):
         """`(visual_embeds, visual_mask)` checked (one set per row, or one per block) and cast: the embeddings to
         `dtype`, the mask (default: every token) to bool."""
+        if self.config.num_visual_tokens == 0:
+            raise ValueError("visual_embeds given to a text-only drafter (config.num_visual_tokens == 0: built "
+                             "without the visual branch).")
         per_block = visual_embeds.dim() == 4
         if (visual_embeds.dim() not in (3, 4) or visual_embeds.shape[0] != batch
                 or visual_embeds.shape[-1] != self.config.vision_hidden_size
