@@ -366,6 +366,43 @@ def test_laspec_drafter_folder_runs_every_strategy(tmp_path):
         _run(tmp_path, "--drafter", str(folder), "--no-stock", "--drafter-int8")
 
 
+def test_baseline_drafter_runs_in_the_same_run_and_serves_stock(tmp_path, monkeypatch):
+    """--baseline-drafter: its strategies (STRATEGY:NAME) and, beside a LaSpec --drafter, stock assisted
+    generation run with it, interleaved with the main drafter's strategies; every output equals plain greedy."""
+    from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
+    from hf_adaptive_spec.bench import methods as bench_methods
+    from hf_adaptive_spec.bench import run as bench_run
+
+    target, _ = _tiny_loader("t", None, "target")
+    folder = tmp_path / "drafter"
+    LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=3)).save_pretrained(folder)
+    used = []
+
+    def recording(method, target, drafter, *args, **kwargs):
+        used.append((method.name, None if drafter is None else type(drafter).__name__))
+        return bench_methods.run_method(method, target, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "run_method", recording)
+    results = _run(tmp_path, "--drafter", str(folder), "--strategies", "laspec", "--baseline-drafter", "small",
+                   "--baseline-strategies", "sage", "chain", "--limit", "1", "--warmup", "0")
+    assert results["ok"], results["failures"]
+    assert list(results["methods"]) == ["plain", "plain_mode", "stock_default", "stock_best", "laspec",
+                                        "sage:small", "chain:small"]
+    assert results["models"]["baseline_drafter"] == "small"
+    kinds = dict(used)
+    assert kinds["laspec"] == "LaSpecDrafterModel"
+    independent = type(_tiny_loader("d", None, "drafter")[0]).__name__
+    assert kinds["sage:small"] == kinds["chain:small"] == kinds["stock_default"] == kinds["stock_best"] == independent
+    with pytest.raises(ValueError, match="need a LaSpec drafter"):
+        _run(tmp_path, "--baseline-drafter", "small", "--baseline-strategies", "laspec", "--limit", "1")
+    with pytest.raises(ValueError, match="not a strategy that drafts"):
+        _run(tmp_path, "--baseline-drafter", "small", "--baseline-strategies", "plain", "--limit", "1")
+    with pytest.raises(ValueError, match="needs --baseline-drafter"):
+        _run(tmp_path, "--baseline-drafter-int8", "--limit", "1")
+    with pytest.raises(ValueError, match="per-prompt bench only"):
+        bench_run.plan_cold(_args(tmp_path, "--baseline-drafter", "small", "--cold"), _fake_prompts)
+
+
 def test_laspec_strategy_needs_a_laspec_drafter(tmp_path):
     with pytest.raises(ValueError, match="need a LaSpec drafter"):
         _run(tmp_path, "--strategies", "laspec", "--limit", "1")

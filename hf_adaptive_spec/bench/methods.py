@@ -16,8 +16,8 @@ from . import vision as bench_vision
 from .report import jsonable, sklearn_available
 from .stats import PLAIN, PLAIN_MODE, STOCK_BEST, STOCK_DEFAULT
 
-__all__ = ["GenerationRun", "Method", "build_methods", "check_drafter_options", "default_strategies", "run_method",
-           "sync"]
+__all__ = ["GenerationRun", "Method", "build_methods", "check_baseline_options", "check_drafter_options",
+           "default_strategies", "run_method", "sync"]
 
 
 #: Stock settings recorded for `stock_default` when the drafter's generation config leaves them unset.
@@ -41,6 +41,7 @@ class Method:
         visual_tokens: M of a `--visual-tokens` sweep method, else None.
         visual_selection: when a swept independent drafter's M tokens are chosen ("prefill" / "round"), else None.
         calibration: what the cost rule learns (spec only), carried from one of this method's calls to the next.
+        drafter_role: ``"main"`` (`--drafter`) or ``"baseline"`` (`--baseline-drafter`): the drafter it runs with.
     """
 
     name: str
@@ -52,6 +53,7 @@ class Method:
     visual_tokens: Optional[int] = None
     visual_selection: Optional[str] = None
     calibration: SpecCalibration = field(default_factory=SpecCalibration, repr=False, compare=False)
+    drafter_role: str = "main"
 
     def __post_init__(self):
         if self.strategy is None:
@@ -68,9 +70,11 @@ class GenerationRun:
     stats: object = None
 
 
-def build_methods(args, device: torch.device, drafter=None) -> list:
-    """The methods to run, in their base order: plain, stock_default, stock_best, the strategies, then the
-    `--visual-tokens` sweep (one laspec method per M).
+def build_methods(args, device: torch.device, drafter=None, stock_drafter_role: str = "main") -> list:
+    """The methods to run, in their base order: plain, stock_default, stock_best, the strategies, the
+    `--visual-tokens` sweep (one laspec method per M), then the `--baseline-drafter`'s strategies (STRATEGY:NAME).
+    `drafter` is the one stock runs with (its generation config gives the recorded stock settings), the
+    `--drafter` unless `stock_drafter_role` is "baseline".
 
     Raises `ValueError` for an unknown strategy, a `--spec-config` of a strategy that is not run, an invalid
     config, a stock setting that is not a `GenerationConfig` field, or a sweep without laspec.
@@ -108,7 +112,8 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
             resolved = {**base, **settings}
             resolved["confidence_threshold_adapts"] = bool(sklearn_available()
                                                            and resolved.get("assistant_confidence_threshold"))
-            methods.append(Method(name, "stock", drafter_settings=settings, resolved=resolved))
+            methods.append(Method(name, "stock", drafter_settings=settings, resolved=resolved,
+                                  drafter_role=stock_drafter_role))
     # (name, strategy, M, selection, config)
     spec = [(name, name, None, None, spec_configs.get(name)) for name in strategies]
     if getattr(args, "visual_tokens", None):
@@ -124,6 +129,15 @@ def build_methods(args, device: torch.device, drafter=None) -> list:
             raise ValueError(f"--spec-config {strategy}: {exc}") from exc
         methods.append(Method(name, "spec", spec_config=config, resolved=jsonable(dataclasses.asdict(resolved)),
                               strategy=strategy, visual_tokens=count, visual_selection=selection))
+    if getattr(args, "baseline_drafter", None):
+        for strategy in dict.fromkeys(args.baseline_strategies):
+            if strategy not in STRATEGIES or STRATEGIES[strategy].drafts_nothing:
+                raise ValueError(f"--baseline-strategies {strategy!r}: not a strategy that drafts; valid: "
+                                 f"{', '.join(n for n, c in STRATEGIES.items() if not c.drafts_nothing)}.")
+            resolved = resolve_config(strategy, None, device)
+            methods.append(Method(f"{strategy}:{args.baseline_drafter}", "spec",
+                                  resolved=jsonable(dataclasses.asdict(resolved)), strategy=strategy,
+                                  drafter_role="baseline"))
     return methods
 
 
@@ -145,9 +159,9 @@ def check_drafter_options(args, laspec: bool) -> None:
         if args.drafter_int8:
             raise ValueError("--drafter-int8 quantizes an independent drafter model; a LaSpec drafter is one small "
                              "forward per round (leave it out).")
-        if not args.no_stock:
+        if not args.no_stock and not getattr(args, "baseline_drafter", None):
             raise ValueError("stock assisted generation needs an independent HF model as drafter, not a LaSpec "
-                             "drafter: add --no-stock.")
+                             "drafter: add --no-stock, or name one with --baseline-drafter.")
     else:
         block_only = [name for name in args.strategies
                       if name in STRATEGIES and STRATEGIES[name].requires_block_drafter]
@@ -155,6 +169,30 @@ def check_drafter_options(args, laspec: bool) -> None:
             raise ValueError(f"--strategies {block_only} need a LaSpec drafter (e.g. --drafter "
                              "laspec-smollm2-135m-instruct --target smollm2-135m-instruct); "
                              f"{args.drafter!r} is an independent model.")
+
+
+def check_baseline_options(args, laspec: bool, baseline_laspec: bool) -> None:
+    """Refuse `--baseline-*` options that cannot apply (`laspec` / `baseline_laspec`: the `--drafter` / the
+    baseline is a LaSpec drafter)."""
+    from ..strategies import STRATEGIES
+
+    name = getattr(args, "baseline_drafter", None)
+    if name is None:
+        if getattr(args, "baseline_drafter_int8", False):
+            raise ValueError("--baseline-drafter-int8 needs --baseline-drafter.")
+        return
+    if any(getattr(args, option, None) for option in ("cold", "load_sweep", "arrivals")):
+        raise ValueError("--baseline-drafter runs in the per-prompt bench only (not with --cold, --load-sweep or "
+                         "--arrivals).")
+    if baseline_laspec and args.baseline_drafter_int8:
+        raise ValueError("--baseline-drafter-int8 quantizes an independent drafter model, not a LaSpec drafter.")
+    if not baseline_laspec:
+        block_only = [s for s in args.baseline_strategies if s in STRATEGIES and STRATEGIES[s].requires_block_drafter]
+        if block_only:
+            raise ValueError(f"--baseline-strategies {block_only} need a LaSpec drafter; {name!r} is an independent "
+                             "model.")
+    if not args.no_stock and baseline_laspec and laspec:
+        raise ValueError("stock assisted generation needs an independent HF model as drafter: add --no-stock.")
 
 
 def _effective_stock_settings(drafter) -> dict:

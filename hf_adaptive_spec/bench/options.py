@@ -64,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"or local HF folder (default {DEFAULT_DRAFTER})")
     models.add_argument("--drafter-int8", action="store_true",
                         help="quantize the DRAFTER's Linear layers to dynamic int8 (CPU only); the target is unchanged")
+    models.add_argument("--baseline-drafter", default=None, metavar="NAME",
+                        help="a second drafter whose --baseline-strategies run in the same run, interleaved with "
+                        "the others (methods STRATEGY:NAME), e.g. the independent model a new LaSpec drafter is "
+                        "to beat; with a LaSpec --drafter, stock assisted generation uses this one")
+    models.add_argument("--baseline-drafter-int8", action="store_true",
+                        help="quantize the baseline drafter's Linear layers to dynamic int8 (CPU only)")
+    models.add_argument("--baseline-strategies", nargs="+", default=["sage"], metavar="STRATEGY",
+                        help="strategies run with --baseline-drafter (default sage)")
     models.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     models.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="compute dtype of both models (default float32; bf16 is slower on CPUs)")

@@ -55,7 +55,7 @@ from ..chat_template import text_tokenizer
 from ..drafters.quantize import quantize_drafter
 from . import vision as bench_vision
 from .inputs import bench_prompts, default_prompt_loader, encode_prompt, load_model, resolve_device
-from .methods import GenerationRun, Method, build_methods, check_drafter_options, run_method
+from .methods import GenerationRun, Method, build_methods, check_baseline_options, check_drafter_options, run_method
 from .options import DEFAULT_DRAFTER, DEFAULT_STOCK_BEST, DEFAULT_TARGET, add_arguments, check_run_options
 from .report import describe, environment, jsonable, now, print_summary, write_outputs
 from .stats import PLAIN, aggregate
@@ -105,6 +105,8 @@ def _prelude(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
     torch.manual_seed(args.seed)
     laspec = loading.is_laspec(args.drafter)
     check_drafter_options(args, laspec)
+    baseline = getattr(args, "baseline_drafter", None)
+    check_baseline_options(args, laspec, baseline is not None and loading.is_laspec(baseline))
     build_methods(args, device)  # validate every option before loading anything
 
     prompts = bench_prompts(args, prompt_loader or default_prompt_loader)
@@ -118,6 +120,19 @@ def plan_cold(args, prompt_loader: Optional[PromptLoader] = None) -> tuple:
     device, _, prompts = _prelude(args, prompt_loader)
     spec = [method for method in build_methods(args, device) if method.kind == "spec"]
     return [method.name for method in spec], {method.name: method.spec_config for method in spec}, prompts[0]
+
+
+def _load_baseline(args, target, model_loader):
+    """The `--baseline-drafter` (None without one), loaded like `--drafter`."""
+    name = getattr(args, "baseline_drafter", None)
+    if name is None:
+        return None
+    if loading.is_laspec(name):
+        from ..drafters.hub import load_drafter
+
+        return load_drafter(name, target)
+    baseline, _ = model_loader(name, args, "drafter")
+    return quantize_drafter(baseline) if args.baseline_drafter_int8 else baseline
 
 
 def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optional[PromptLoader] = None) -> dict:
@@ -156,8 +171,10 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
         drafter, _ = model_loader(args.drafter, args, "drafter")
     if args.drafter_int8:
         drafter = quantize_drafter(drafter)
+    drafters = {"main": drafter, "baseline": _load_baseline(args, target, model_loader)}
     load_seconds = time.perf_counter() - load_start
-    methods = build_methods(args, device, drafter)
+    stock_role = "baseline" if laspec and drafters["baseline"] is not None else "main"
+    methods = build_methods(args, device, drafters[stock_role], stock_drafter_role=stock_role)
     pad_token_id = getattr(tokenizer, "pad_token_id", None)
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -171,7 +188,8 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
         for _ in range(args.warmup):
             bar.set_postfix_str(f"warm-up {method.name}")
             try:
-                run_method(method, target, drafter, encoded[0], args.max_new_tokens, pad_token_id)
+                run_method(method, target, drafters[method.drafter_role], encoded[0], args.max_new_tokens,
+                           pad_token_id)
             except Exception as exc:  # recorded again, per prompt, in the timed runs
                 warmup_errors[method.name] = describe(exc)
             bar.update(1)
@@ -184,7 +202,8 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
         for position, method in enumerate(order):
             bar.set_postfix_str(f"{prompt.id} {method.name}")
             try:
-                runs[method.name] = run_method(method, target, drafter, inputs, args.max_new_tokens, pad_token_id)
+                runs[method.name] = run_method(method, target, drafters[method.drafter_role], inputs,
+                                               args.max_new_tokens, pad_token_id)
             except Exception as exc:
                 errors[method.name] = describe(exc)
             bar.update(1)
@@ -206,6 +225,8 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
             "drafter_datastore": (None if getattr(drafter, "datastore", None) is None
                                   else {"repr": repr(drafter.datastore), **drafter.datastore.info}),
             "load_seconds": load_seconds,
+            "baseline_drafter": getattr(args, "baseline_drafter", None),
+            "baseline_drafter_int8": bool(getattr(args, "baseline_drafter_int8", False)),
         },
         "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup": args.warmup,
                      "datasets": list(dict.fromkeys(args.datasets)), "limit": args.limit,
