@@ -545,6 +545,7 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "checkpoint-2" / "training_state.pt").is_file()
     card = (out / "README.md").read_text()
     assert "held-out teacher-forced chain acceptance" in card and "acceptance" in card
+    assert f"- command: `hf-adaptive-spec train-drafter --target {path} --out {out} --data" in card
     assert ("the target's greedy answers (12 tokens max) to the prompts humaneval[30:32] and the real answers of "
             "stdlib_solutions[:2] (256 tokens max, not generated)") in card
     log = json.loads((out / "training_log.json").read_text())

@@ -114,6 +114,8 @@ def write_model_card(folder, info: dict) -> Path:
         f"{info.get('num_parameters', '?')} parameters, block {config.get('block_size')}",
         f"- training time: {info.get('train_seconds', 0):.0f} s on {info.get('device', '?')}",
     ]
+    if info.get("command"):
+        lines.append(f"- command: `{info['command']}`")
     if info.get("init_from"):
         lines.append(f"- initialized from `{info['init_from']}` (fine-tuned with `--init-from`)")
     vocab = info.get("draft_vocab")

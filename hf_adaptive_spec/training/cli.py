@@ -14,6 +14,8 @@ import argparse
 import json
 import random
 import re
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -490,7 +492,9 @@ def run(args) -> int:
     save_drafter_folder(drafter, out, train_examples, eval_examples, result, target=args.target,
                         data_description=description, train_seconds=train_seconds, device=str(accelerator.device),
                         draft_vocab=draft_vocab, save_dtype=getattr(torch, args.save_dtype),
-                        generate_eval=generate_eval, init_from=args.init_from)
+                        generate_eval=generate_eval, init_from=args.init_from,
+                        command=getattr(args, "command_line", None)
+                        or shlex.join(["hf-adaptive-spec", *sys.argv[1:]]))
     print(f"saved the drafter to {out}")
     if result["evals"]:
         print(f"held-out tau_chain {result['evals'][-1]['tau_chain']:.3f}")
