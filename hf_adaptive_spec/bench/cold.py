@@ -98,6 +98,12 @@ def run_cold(args, strategies, spec_configs: dict, prompt) -> dict:
         spec_configs (`dict`): strategy -> its `spec_config` dict (or None).
         prompt: the bench prompt to run (`data.Prompt`: `id`, `messages`).
     """
+    import torch
+
+    from .report import environment, now
+    from .run import command_line
+
+    started = now()
     records = []
     for strategy in strategies:
         with tempfile.TemporaryDirectory(prefix="hf_adaptive_spec_cold_") as fresh:
@@ -118,7 +124,9 @@ def run_cold(args, strategies, spec_configs: dict, prompt) -> dict:
             records.append(json.loads(result_path.read_text()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"target": args.target, "drafter": args.drafter, "max_new_tokens": args.max_new_tokens,
+    results = {"command": command_line(), "environment": {**environment(torch.device("cpu"), started),
+                                                          "finished": now()},
+               "target": args.target, "drafter": args.drafter, "max_new_tokens": args.max_new_tokens,
                "threads": args.threads, "records": records}
     (out / "cold.json").write_text(json.dumps(results, indent=2))
     (out / "cold.md").write_text(cold_table(results))

@@ -137,6 +137,10 @@ def run_memory(args) -> dict:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    from .report import environment, now
+    from .run import command_line
+
+    started = now()
     records = []
     for length in args.memory_prompts:
         plain_tokens = None
@@ -157,7 +161,11 @@ def run_memory(args) -> dict:
             print(_row(record, records), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"target": args.target, "drafter": args.drafter, "device": device, "dtype": args.dtype,
+    import torch
+
+    result = {"command": command_line(), "environment": {**environment(torch.device(device), started),
+                                                         "finished": now()},
+              "target": args.target, "drafter": args.drafter, "device": device, "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "records": records}
     (out / "memory.json").write_text(json.dumps(result, indent=1))
     print("\n" + memory_table(records))
