@@ -197,7 +197,7 @@ def headline_table(markdown: Path, headers: str, lines: list) -> list:
             while "{" in rest:
                 head, _, rest = rest.partition("{")
                 field, _, rest = rest.partition("}")
-                name, _, which = field.partition(".")
+                name, _, which = field.rpartition(".")  # a method name may hold dots
                 out += head + figures(name, which)
             return out + rest
 
