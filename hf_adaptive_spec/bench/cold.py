@@ -100,8 +100,7 @@ def run_cold(args, strategies, spec_configs: dict, prompt) -> dict:
     """
     import torch
 
-    from .report import environment, now
-    from .run import command_line
+    from .report import command_line, environment, now
 
     started = now()
     records = []

@@ -78,9 +78,8 @@ from .batch_runs import (CHAIN_LENGTHS, TREE_SIZES, WARMUP_TOKENS, BatchRun, Loa
 from .concurrency_options import check_options, fixed_structures
 from .concurrency_report import PLOT_FILES, arrivals_markdown, sweep_markdown, write_load_plots
 from .concurrency_sweep import best_fixed, run_load_sweep
-from .report import describe, environment, jsonable, now
+from .report import command_line, describe, environment, jsonable, now
 from .inputs import load_model
-from .run import command_line
 from ..chat_template import text_tokenizer
 
 __all__ = [

@@ -137,8 +137,7 @@ def run_memory(args) -> dict:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    from .report import environment, now
-    from .run import command_line
+    from .report import command_line, environment, now
 
     started = now()
     records = []

@@ -9,7 +9,9 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -64,6 +66,18 @@ def _git_commit() -> Optional[str]:
     except Exception:
         pass
     return None
+
+
+def command_line() -> str:
+    """The command as typed, as far as `sys.argv` tells (`python -m hf_adaptive_spec.bench` for this module)."""
+    argv = list(sys.argv)
+    if not argv:
+        return ""
+    if Path(argv[0]).resolve() in (Path(__file__).with_name("run.py").resolve(),
+                                 Path(__file__).with_name("__main__.py").resolve()):
+        return shlex.join(["python", "-m", "hf_adaptive_spec.bench"] + argv[1:])
+    return shlex.join([Path(argv[0]).name] + argv[1:])
+
 
 
 def sklearn_available() -> bool:

@@ -57,7 +57,7 @@ from . import vision as bench_vision
 from .inputs import bench_prompts, default_prompt_loader, encode_prompt, load_model, resolve_device
 from .methods import GenerationRun, Method, build_methods, check_baseline_options, check_drafter_options, run_method
 from .options import DEFAULT_DRAFTER, DEFAULT_STOCK_BEST, DEFAULT_TARGET, add_arguments, check_run_options
-from .report import describe, environment, jsonable, now, print_summary, write_outputs
+from .report import command_line, describe, environment, jsonable, now, print_summary, write_outputs
 from .stats import PLAIN, aggregate
 
 __all__ = [
@@ -251,15 +251,6 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
     print_summary(results, Path(args.out))
     return results
 
-
-def command_line() -> str:
-    """The command as typed, as far as `sys.argv` tells (`python -m hf_adaptive_spec.bench` for this module)."""
-    argv = list(sys.argv)
-    if not argv:
-        return ""
-    if Path(argv[0]).resolve() in (Path(__file__).resolve(), Path(__file__).with_name("__main__.py").resolve()):
-        return shlex.join(["python", "-m", "hf_adaptive_spec.bench"] + argv[1:])
-    return shlex.join([Path(argv[0]).name] + argv[1:])
 
 
 def _first_mismatch(reference: list, tokens: list) -> Optional[int]:

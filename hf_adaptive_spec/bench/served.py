@@ -44,6 +44,7 @@ from .. import traffic
 from ..chat_template import text_tokenizer
 from ..cost import SpecCalibration
 from .batch_runs import LoadMethod, load_methods
+from .report import command_line
 
 OFF = "off"
 
@@ -321,12 +322,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default="bench_served")
 
 
-def _command_line() -> str:
-    from .run import command_line
-
-    return command_line()
-
-
 def run(args) -> int:
     """`hf-adaptive-spec bench-served`: run, write the outputs, print the tables; 1 on any failure."""
     import platform
@@ -373,7 +368,7 @@ def run(args) -> int:
         "repeats": args.repeats,
         "threads": torch.get_num_threads(), "machine": f"{env['cpu_model'] or platform.machine()}, "
         f"{torch.get_num_threads()} threads", "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
-        "seconds": time.time() - started, "environment": env, "command": _command_line(),
+        "seconds": time.time() - started, "environment": env, "command": command_line(),
     }
     (out_dir / "served.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     markdown = served_markdown(results)
