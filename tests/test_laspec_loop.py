@@ -365,7 +365,8 @@ def test_visual_selection_runs_each_round_and_keeps_output(arch, recorded):
         drafter = _drafter(target, num_visual_tokens=count)
         with torch.no_grad():
             for layer in drafter.layers:
-                layer.visual_gate.fill_(gate)
+                if layer.visual_gate is not None:  # M = 0: a text-only drafter, built without the branch
+                    layer.visual_gate.fill_(gate)
         out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,
                               spec_strategy="laspec", return_dict_in_generate=True)
         assert torch.equal(out.sequences, expected)
