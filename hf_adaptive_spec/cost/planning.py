@@ -65,8 +65,9 @@ class DepthAcceptance:
         return top[:, None] * (1.0 / 3.0) ** torch.arange(ranks, dtype=torch.float64)[None, :]
 
     def table(self, optimistic: bool = False) -> torch.Tensor:
-        """`(bins, depths, ranks)` the estimates; `optimistic`: each raised by one standard error of its pooled
-        cell, sqrt(a (1 - a) / (n + 1)) with n its pooled count (at most 1)."""
+        """`(bins, depths, ranks)` the estimates; `optimistic`: each raised by sqrt(a (1 - a)) / (n + 1), n its
+        pooled count (at most 1): a cell never seen gets the benefit of the doubt, a well-observed one almost none
+        (a standard error, 1 / sqrt(n + 1), would price every deep path high through the product of its cells)."""
         centres = (torch.arange(self.bins, dtype=torch.float64) + 0.5) / self.bins
         above = self.prior(centres, self.accepted.shape[2]).mean(0)  # (ranks,)
         pooled_accepted, pooled_total = self.accepted.sum(0), self.total.sum(0)  # (depths, ranks)
@@ -76,7 +77,8 @@ class DepthAcceptance:
             pooled[depth] = above
         table = (self.accepted + self.weight * pooled[None]) / (self.total + self.weight)
         if optimistic:
-            table = (table + (table * (1 - table) / (pooled_total[None] + 1)).sqrt()).clamp(max=1.0)
+            spread = (table * (1 - table)).sqrt()  # a cell's spread; the bonus fades as 1 / (n + 1), not 1 / sqrt
+            table = (table + spread / (pooled_total[None] + 1)).clamp(max=1.0)
         return table
 
     def bin(self, alpha: torch.Tensor) -> torch.Tensor:
