@@ -531,7 +531,7 @@ def test_shipped_laspec_drafter_on_real_smollm2(tmp_path_factory):
 def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
     """train-drafter end to end on the real target (2 prompts answered, 2 real answers teacher-forced by a bf16
     copy, 3 steps): data, training, folder, model card."""
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     from hf_adaptive_spec import cli, load_drafter
 
     root, path = fetch_real_smollm2(tmp_path_factory)
@@ -564,6 +564,20 @@ def test_train_drafter_command_on_real_smollm2(tmp_path_factory, tmp_path):
     with pytest.raises(ValueError, match="d.pt was made for other prompts"):  # the cache, other --data
         cli.main(["train-drafter", "--target", str(path), "--out", str(tmp_path / "other"), "--data",
                   "humaneval[30:33]", "--data-cache", str(tmp_path / "d.pt"), "--steps", "1", "--no-progress"])
+    # the same sets plus one more prompt: the cached examples are reused as they are, the new prompt is answered
+    # and added
+    code = cli.main(["train-drafter", "--target", str(path), "--out", str(tmp_path / "more"), "--data",
+                     "humaneval[30:33]", "stdlib_solutions[:2]", "--teacher-dtype", "bfloat16", "--data-cache",
+                     str(tmp_path / "d.pt"), "--max-new-tokens", "12", "--steps", "1", "--anchors", "4",
+                     "--batch-sequences", "2", "--eval-fraction", "0", "--eval-every", "0", "--checkpoint-every",
+                     "0", "--no-progress"])
+    assert code == 0
+    grown = load_examples(tmp_path / "d.pt")
+    assert len(grown) == 5
+    for old, new in zip(examples, grown[:4]):
+        assert old.source == new.source and torch.equal(old.input_ids, new.input_ids)
+        assert torch.equal(old.hidden, new.hidden) and torch.equal(old.labels, new.labels)
+    assert grown[4].source not in {e.source for e in examples}
     # fine-tuned on other answers: the places those leave empty in the draft vocabulary keep the first one's
     # tokens in its order (not unproduced tokens by id)
     tuned = tmp_path / "tuned"

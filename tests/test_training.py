@@ -867,19 +867,18 @@ def test_prompts_file(tmp_path):
         prompts_file(path)
 
 
-def test_data_cache_must_answer_the_selected_prompts(tmp_path):
-    """A --data-cache made for other prompts is refused, naming what it lacks and what it has extra; the same
-    prompts (several answers each allowed) pass."""
+def test_data_cache_reuses_its_prompts_and_refuses_others(tmp_path):
+    """A --data-cache answering prompts not selected is refused, naming them; the prompts it answers are reused
+    (several answers each allowed) and the selected ones it lacks come back, in selection order, to be made."""
     from types import SimpleNamespace
 
     from hf_adaptive_spec.training.cli import check_cache_prompts
 
     cached = [SimpleNamespace(source=s) for s in ("a", "a", "b", "c")]  # "a" answered twice (samples)
     prompts = [SimpleNamespace(id=i) for i in ("c", "b", "a")]
-    check_cache_prompts(cached, prompts, tmp_path / "d.pt")
-    with pytest.raises(ValueError, match=r"1 selected prompt\(s\) it does not answer \(e.g. \['d'\]\)") as error:
-        check_cache_prompts(cached, prompts + [SimpleNamespace(id="d")], tmp_path / "d.pt")
-    assert "not selected" not in str(error.value)
+    assert check_cache_prompts(cached, prompts, tmp_path / "d.pt") == []
+    more = [SimpleNamespace(id="e"), *prompts, SimpleNamespace(id="d")]
+    assert [p.id for p in check_cache_prompts(cached, more, tmp_path / "d.pt")] == ["e", "d"]
     extra = r"d.pt was made for other prompts.*2 prompt\(s\) not selected \(e.g. \['b', 'c'\]\)"
     with pytest.raises(ValueError, match=extra):
         check_cache_prompts(cached, prompts[2:], tmp_path / "d.pt")

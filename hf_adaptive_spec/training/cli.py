@@ -61,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="VLM targets: extra prompts with images, one JSON object per line: "
                              "{\"image\": PATH, \"prompt\": TEXT, \"id\": NAME} (paths relative to the file)")
     parser.add_argument("--data-cache", default=None,
-                        help="reuse / store the target-made examples in this file (reused only for the prompts "
-                             "it was made for: other ones are an error)")
+                        help="reuse / store the target-made examples in this file: the prompts it answers are "
+                             "reused, newly selected ones are answered and added (a cache answering prompts "
+                             "not selected is an error)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="target answer length per prompt")
     parser.add_argument("--samples-per-prompt", type=int, default=1,
                         help="answers per prompt: the greedy one plus N-1 sampled ones (more training data)")
@@ -293,21 +294,19 @@ def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> 
     return rows
 
 
-def check_cache_prompts(examples: list, prompts: list, cache) -> None:
-    """A ValueError unless the `--data-cache` examples answer exactly the prompts that `--data` / `--prompts` /
-    `--image-prompts` select (by prompt id): a cache made for other prompts would train on data the model card
-    does not describe, or silently leave out the prompts added since."""
+def check_cache_prompts(examples: list, prompts: list, cache) -> list:
+    """The selected prompts the `--data-cache` examples do not answer yet (by prompt id; made and added to the
+    cache by the caller). A ValueError if the cache answers prompts that `--data` / `--prompts` /
+    `--image-prompts` do not select: training on them would use data the model card does not describe."""
     from .data import prompt_source
 
     cached = {example.source for example in examples}
-    wanted = {prompt_source(prompt) for prompt in prompts}
-    missing, extra = sorted(wanted - cached), sorted(cached - wanted)
-    if missing or extra:
-        parts = [f"{len(missing)} selected prompt(s) it does not answer (e.g. {missing[:3]})" if missing else "",
-                 f"{len(extra)} prompt(s) not selected (e.g. {extra[:3]})" if extra else ""]
+    extra = sorted(cached - {prompt_source(prompt) for prompt in prompts})
+    if extra:
         raise ValueError(f"--data-cache {cache} was made for other prompts than --data/--prompts select: it has "
-                         + " and ".join(part for part in parts if part) + ". Pass the --data it was made with, "
-                         "or another --data-cache file to make the examples anew.")
+                         f"{len(extra)} prompt(s) not selected (e.g. {extra[:3]}). Pass the --data it was made "
+                         "with (plus any new sets), or another --data-cache file to make the examples anew.")
+    return [prompt for prompt in prompts if prompt_source(prompt) not in cached]
 
 
 def _size_overrides(args) -> dict:
@@ -443,18 +442,19 @@ def run(args) -> int:
         prompts += prompts_file(args.prompts)
     if args.image_prompts:
         prompts += image_prompts(args.image_prompts, processor)
+    examples, todo = [], prompts
     if cache is not None and cache.exists():
         examples = load_examples(cache)
-        check_cache_prompts(examples, prompts, cache)
-        print(f"loaded {len(examples)} examples from {cache}")
-    else:
-        examples = build_examples(target, tokenizer, drafter_config.target_layer_ids, prompts=prompts,
-                                  max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
-                                  samples_per_prompt=args.samples_per_prompt, temperature=args.sample_temperature,
-                                  batch_size=args.generate_batch_size, generate_dtype=generate_dtype,
-                                  num_visual_tokens=drafter_config.num_visual_tokens,
-                                  batch_tokens=args.teacher_batch_tokens,
-                                  teacher_dtype=None if args.teacher_dtype == "same" else getattr(torch, args.teacher_dtype))
+        todo = check_cache_prompts(examples, prompts, cache)
+        print(f"loaded {len(examples)} examples from {cache}; {len(todo)} selected prompt(s) still to answer")
+    if todo:
+        examples += build_examples(target, tokenizer, drafter_config.target_layer_ids, prompts=todo,
+                                   max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
+                                   samples_per_prompt=args.samples_per_prompt, temperature=args.sample_temperature,
+                                   batch_size=args.generate_batch_size, generate_dtype=generate_dtype,
+                                   num_visual_tokens=drafter_config.num_visual_tokens,
+                                   batch_tokens=args.teacher_batch_tokens,
+                                   teacher_dtype=None if args.teacher_dtype == "same" else getattr(torch, args.teacher_dtype))
         if cache is not None and accelerator.is_main_process:
             save_examples(examples, cache)
     # split by prompt, so that sampled answers to a held-out prompt never leak into training
