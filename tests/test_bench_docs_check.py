@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from hf_adaptive_spec.bench import docs as bench_docs
-from hf_adaptive_spec.bench.docs_rows import format_range, pick
+from hf_adaptive_spec.bench.docs_rows import format_range, pick, rows_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,3 +120,61 @@ def test_a_marker_of_quoted_arguments_over_several_lines(tmp_path):
                    "<!-- /bench-table -->\n")
     assert bench_docs.refresh(doc) == ["r.json rows runs where:rate=2"]
     assert doc.read_text().endswith("-->\n| the method |\n|---|\n| off |\n| fast |\n<!-- /bench-table -->\n")
+
+
+def _run_file(spec_config: str, plain_s: float, fast_s: float, drafted: int, rounds: int) -> dict:
+    return {"environment": {"started": "2026-01-01T01:00:00+00:00"}, "args": {"spec_config": spec_config},
+            "records": [{"method": "plain", "time_s": plain_s, "new_tokens": 8},
+                        {"method": "fast", "time_s": fast_s / 2, "new_tokens": 4, "tau_num": 4, "tau_den": 2,
+                         "stats": {"drafted": drafted, "rounds": rounds}},
+                        {"method": "fast", "time_s": fast_s / 2, "new_tokens": 4, "tau_num": 4, "tau_den": 1,
+                         "stats": {"drafted": drafted * 3, "rounds": rounds}}]}
+
+
+def test_rows_from_several_files_with_labels_pooled_ratios_and_a_default_row(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(_run_file("default", 4.0, 2.0, 2, 1)))
+    (tmp_path / "b.json").write_text(json.dumps(_run_file("wide", 4.0, 4.0, 10, 1)))
+    doc = tmp_path / "doc.md"
+    doc.write_text('<!-- bench-table: rows records by:_label\n'
+                   '    "from:a.json=default | none" "from:b.json=every node | a store" from:a.json#[args]\n'
+                   '    "setting=_labels.0" "store=_labels.1"\n'
+                   '    "tau=tau_num@method=fast/tau_den@method=fast|pooled:.2f"\n'
+                   '    "nodes=stats.drafted/stats.rounds|pooled:.1f"\n'
+                   '    "tok/s=new_tokens@method=fast/time_s@method=fast|pooled:.1f"\n'
+                   '    "vs default=time_s@method=plain/time_s@method=fast|pooled~_labels.0=default:{:.2f}x"\n'
+                   '    "config=spec_config" -->\nold\n<!-- /bench-table -->\n')
+    assert bench_docs.refresh(doc) == ["rows records by:_label"] and bench_docs.refresh(doc, check=True) == []
+    assert doc.read_text().split("-->\n", 1)[1].splitlines()[:-1] == [
+        "| setting | store | tau | nodes | tok/s | vs default | config |",
+        "|---|---|---:|---:|---:|---:|---|",
+        "| default | none | 2.67 | 4.0 | 4.0 | 1.00x | – |",
+        "| every node | a store | 2.67 | 20.0 | 2.0 | 0.50x | – |",
+        "| a.json | – | – | – | – | – | default |"]
+
+
+def test_rows_one_record_in_brackets_and_a_missing_default_row(tmp_path):
+    info = {"evals": [{"step": 9, "color": 0.5}], "blank_image": {"color": 0.125, "samples": [1, 2]}}
+    (tmp_path / "info.json").write_text(json.dumps(info))
+    lines = rows_table(None, ["evals", "from:info.json=trained", "from:info.json#[blank_image]=blank",
+                                         "image=_label", "colour=color:.3f", "vs trained=color~_label=none:.2f"],
+                                  tmp_path / "doc.md")
+    assert lines == ["| image | colour | vs trained |", "|---|---:|---:|",
+                     "| trained | 0.500 | – |", "| blank | 0.125 | – |"]
+    assert bench_docs.render_table(info, "rows", "[blank_image]", "c=color", "n=samples.1") == [
+        "| c | n |", "|---|---|", "| 0.125 | 2 |"]
+
+
+def test_rows_from_files_refuses_what_it_cannot_draw(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps(RUNS))
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        rows_table(None, ["runs", "from:missing.json", "x=rate"], tmp_path / "doc.md")
+    with pytest.raises(ValueError, match="needs 'from:"):
+        rows_table(None, ["runs", "x=rate"], tmp_path / "doc.md")
+    with pytest.raises(ValueError, match="not both"):
+        bench_docs.render_table(RUNS, "rows", "runs", "from:r.json", "x=rate")
+    with pytest.raises(ValueError, match="takes a ratio"):
+        bench_docs.render_table(RUNS, "rows", "runs", "x=rate|pooled")
+    with pytest.raises(ValueError, match="relative to a row"):
+        bench_docs.render_table(RUNS, "rows", "runs", "x=rate|range~rate=1")
+    with pytest.raises(ValueError, match="no mapping to take as one record"):
+        bench_docs.render_table(RUNS, "rows", "[runs]", "x=rate")

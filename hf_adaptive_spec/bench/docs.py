@@ -25,15 +25,30 @@ as numbers), and writes one row per record, or per group of records equal in the
 first appearance). Each ``COLUMN`` is ``HEADER=VALUE[|AGGREGATE][:FORMAT]``: ``VALUE`` a dotted field of the
 record, optionally ``FIELD@CONDITION`` (only the group's records that meet it) or ``A@C1/B@C2`` (the ratio of
 paired records, in order: a run over the baseline of the same pass); ``AGGREGATE`` over the group's values:
-``first`` (the default), ``mean``, ``min``, ``max``, ``sum``, ``range`` (``lo-hi``, the format's suffix once),
-``list`` (comma-separated) or ``listmean`` (the list and its mean); ``FORMAT`` a format spec (``.2f``) or a
-template (``{:.2f}x``, ``{:.0%}``). Missing values print ``–``, booleans ``yes`` / ``no``. ``rule:`` sets the
-alignment line (default: right-aligned where a format is given). Example, one row per rate of a served run with
-the latency of ``laspec`` over ``off`` pass by pass::
+``first`` (the default), ``mean``, ``min``, ``max``, ``sum``, ``pooled`` (a ratio's sum of first sides over
+its sum of second sides: ``tau_num/tau_den|pooled``), ``range`` (``lo-hi``, the format's suffix once), ``list``
+(comma-separated) or ``listmean`` (the list and its mean); ``FORMAT`` a format spec (``.2f``) or a template
+(``{:.2f}x``, ``{:.0%}``). ``~CONDITION`` after a numeric aggregate (``first`` to ``pooled``) divides the
+group's figure by the same figure of the first group holding a record that meets ``CONDITION``: speed against
+a default row. A ``KEYPATH`` in brackets (``[environment]``; ``[.]`` the whole file) is one record, the mapping
+it names. Missing values print ``–``, booleans ``yes`` / ``no``. ``rule:`` sets the alignment line (default:
+right-aligned where a format is given). Example, one row per rate of a served run with the latency of
+``laspec`` over ``off`` pass by pass::
 
     <!-- bench-table: benchmarks/served/served.json rows runs where:arrivals=poisson by:rate
          "rate=rate" "off s=latency_s.mean@method=off|mean:.2f"
          "vs off=latency_s.mean@method=laspec/latency_s.mean@method=off|listmean:{:.2f}x" -->
+
+A ``rows`` marker with no results file before it reads several: each ``from:FILE[#KEYPATH][=LABEL]`` (relative
+to the Markdown file) adds the records at ``KEYPATH`` of ``FILE`` (default: the marker's ``KEYPATH``), each
+carrying ``LABEL`` (default: ``FILE``) as ``_label`` and its ``|``-separated parts as ``_labels`` (``_labels.0``,
+``_labels.1``: one column each). Example, one row per run of a setting, nodes per round pooled over its prompts
+and its speed over plain against the default's::
+
+    <!-- bench-table: rows records by:_label
+         from:benchmarks/a/results.json=default "from:benchmarks/b/results.json=every node" "setting=_label"
+         "nodes=spec_stats.drafted_tokens@method=laspec/spec_stats.rounds@method=laspec|pooled:.1f"
+         "vs default=time_s@method=plain/time_s@method=laspec|pooled~_label=default:{:.2f}x" -->
 
 ``headline HEADER | HEADER ...`` (no results file before it; the README's results table) takes one row per
 following line of the marker, ``FILES SCOPE METHOD | CELL | CELL ...``: ``FILES`` one results file or several
@@ -114,6 +129,11 @@ def refresh(path, check: bool = False) -> list:
             body = "\n".join(headline_table(path, first[len("headline"):], lines)) + "\n"
         else:
             spec = shlex.split(text)
+            if spec[:1] == ["rows"]:
+                body = "\n".join(rows_table(None, spec[1:], path)) + "\n"
+                if body != match.group("body"):
+                    changed.append(" ".join(spec[:3]))
+                return match.group(1) + body + match.group(4)
             if len(spec) < 2:
                 raise ValueError(f"{path}: a bench-table marker needs 'RESULTS_JSON KIND [ARGUMENTS]', got {spec}.")
             source = path.parent / spec[0]

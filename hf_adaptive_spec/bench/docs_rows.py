@@ -13,14 +13,18 @@ from pathlib import Path
 __all__ = ["headline_table", "pick", "rows_table"]
 
 _NONE = "–"
-_AGGREGATES = ("first", "mean", "min", "max", "sum", "range", "list", "listmean")
+_AGGREGATES = ("first", "mean", "min", "max", "sum", "pooled", "range", "list", "listmean")
+_NUMERIC = ("first", "mean", "min", "max", "sum", "pooled")
 
 
 def pick(data, path: str):
     """The value at the dotted key path `path` of `data` (list items by index); `.` alone is `data` itself."""
     for key in [] if path in ("", ".") else path.split("."):
         if isinstance(data, list):
-            data = data[int(key)]
+            try:
+                data = data[int(key)]
+            except (ValueError, IndexError):
+                return None
         elif isinstance(data, dict) and key in data:
             data = data[key]
         else:
@@ -29,6 +33,13 @@ def pick(data, path: str):
 
 
 def _records(data, path: str) -> list:
+    """The records at `path`: a list's items, a mapping's entries (key as ``_key``), or, for a path in brackets
+    (``[environment]``, ``[.]``), the one mapping it names."""
+    if path.startswith("[") and path.endswith("]"):
+        found = pick(data, path[1:-1])
+        if not isinstance(found, dict):
+            raise ValueError(f"the key path {path!r} holds no mapping to take as one record.")
+        return [found]
     found = pick(data, path)
     if isinstance(found, dict):
         return [dict(value, _key=key) if isinstance(value, dict) else {"_key": key, "_value": value}
@@ -76,57 +87,111 @@ def format_range(values: list, template: str) -> str:
     return (low[:-len(suffix)] if suffix and low.endswith(suffix) else low) + "-" + high
 
 
-def _aggregate(values: list, how: str, template: str) -> str:
+def _reduce(values: list, how: str):
+    """The one number a numeric aggregate makes of the group's values (``pooled`` has made it already)."""
     known = [value for value in values if value is not None]
-    if how == "first":
-        return _format(values[0] if values else None, template)
+    if how in ("first", "pooled"):
+        return values[0] if values else None
+    if not known:
+        return None
+    return {"mean": sum(known) / len(known), "min": min(known), "max": max(known), "sum": sum(known)}[how]
+
+
+def _aggregate(values: list, how: str, template: str) -> str:
     if how == "range":
         return format_range(values, template)
     if how in ("list", "listmean"):
+        known = [value for value in values if value is not None]
         listed = ", ".join(_format(value, template) for value in values)
         if how == "listmean" and known:
             listed += f" (mean {_format(sum(known) / len(known), template)})"
         return listed or _NONE
-    if not known:
-        return _NONE
-    return _format({"mean": sum(known) / len(known), "min": min(known), "max": max(known),
-                    "sum": sum(known)}[how], template)
+    if how == "first":
+        return _format(values[0] if values else None, template)
+    return _format(_reduce(values, how), template)
 
 
-def _column_values(group: list, expression: str) -> list:
+def _column_values(group: list, expression: str, pooled: bool = False) -> list:
     """The values of `FIELD[@WHERE]` or `FIELD[@WHERE]/FIELD[@WHERE]` over the group's records (a ratio pairs the
-    records that each side's condition selects, in order)."""
+    records that each side's condition selects, in order). `pooled`: the ratio's one value, the sum of the first
+    side's numbers over the sum of the second side's."""
     sides = []
     for side in expression.split("/"):
         field, _, condition = side.partition("@")
         sides.append([pick(record, field) for record in group if _matches(record, condition)])
     if len(sides) == 1:
+        if pooled:
+            raise ValueError(f"the pooled aggregate takes a ratio 'A/B', got {expression!r}.")
         return sides[0]
     top, bottom = sides
-    return [a / b if isinstance(a, (int, float)) and b else None for a, b in zip(top, bottom)]
+    if pooled:
+        above, below = (sum(value for value in side if _number(value)) for side in sides)
+        return [above / below if below and any(map(_number, top)) else None]
+    return [a / b if _number(a) and _number(b) and b else None for a, b in zip(top, bottom)]
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _column(spec: str) -> tuple:
-    """`HEADER=EXPRESSION[|AGGREGATE][:FORMAT]` -> (header, expression, aggregate, template)."""
+    """`HEADER=EXPRESSION[|AGGREGATE][~CONDITION][:FORMAT]` -> (header, expression, aggregate, relative,
+    template)."""
     header, _, rest = spec.partition("=")
     if not rest:
         raise ValueError(f"a rows column needs 'HEADER=FIELD[|AGGREGATE][:FORMAT]', got {spec!r}.")
     rest, _, fmt = rest.partition(":")
+    rest, _, relative = rest.partition("~")
     expression, _, how = rest.partition("|")
     how = how or "first"
     if how not in _AGGREGATES:
         raise ValueError(f"unknown aggregate {how!r}: valid are {', '.join(_AGGREGATES)}.")
+    if relative and how not in _NUMERIC:
+        raise ValueError(f"a column relative to a row ('~{relative}') takes one of {', '.join(_NUMERIC)}, "
+                         f"not {how!r}.")
     template = fmt if "{" in fmt else "{:" + fmt + "}" if fmt else "{}"
-    return header, expression, how, template
+    return header, expression, how, relative, template
 
 
-def rows_table(results, arguments: list) -> list:
-    """Markdown lines: the ``rows`` kind (see `hf_adaptive_spec.bench.docs`)."""
+def _labelled(record, label: str) -> dict:
+    record = dict(record) if isinstance(record, dict) else {"_value": record}
+    record["_label"], record["_labels"] = label, [part.strip() for part in label.split("|")]
+    return record
+
+
+def _from_files(markdown: Path, path: str, terms: list) -> list:
+    """The records of every ``from:FILE[#KEYPATH][=LABEL]`` term, each with its file's label."""
+    records, cache = [], {}
+    for term in terms:
+        source, _, label = term.partition("=")
+        name, _, keypath = source.partition("#")
+        file = markdown.parent / name
+        if not file.is_file():
+            raise FileNotFoundError(f"{markdown}: no results file {file} (rows term {term!r}).")
+        if file not in cache:
+            cache[file] = json.loads(file.read_text())
+        records += [_labelled(record, label or name) for record in _records(cache[file], keypath or path)]
+    return records
+
+
+def rows_table(results, arguments: list, markdown: Path | None = None) -> list:
+    """Markdown lines: the ``rows`` kind (see `hf_adaptive_spec.bench.docs`). `results` None: the records come
+    from the ``from:`` terms, files relative to the Markdown file `markdown`."""
     if not arguments:
         raise ValueError("a rows table needs a key path and columns.")
-    records = _records(results, arguments[0])
+    sources = [argument[5:] for argument in arguments[1:] if argument.startswith("from:")]
+    if results is None:
+        if not sources:
+            raise ValueError("a rows table without a results file before it needs 'from:FILE[=LABEL]' terms.")
+        records = _from_files(Path(markdown or "."), arguments[0], sources)
+    elif sources:
+        raise ValueError("a rows table reads the results file before it or its 'from:' files, not both.")
+    else:
+        records = _records(results, arguments[0])
     by, rule, columns = [], None, []
     for argument in arguments[1:]:
+        if argument.startswith("from:"):
+            continue
         if argument.startswith("where:"):
             records = [record for record in records if _matches(record, argument[6:])]
         elif argument.startswith("by:"):
@@ -141,11 +206,21 @@ def rows_table(results, arguments: list) -> list:
     for index, record in enumerate(records):
         key = tuple(json.dumps(pick(record, field)) for field in by) if by else index
         groups.setdefault(key, []).append(record)
+
+    def number(group: list, expression: str, how: str):
+        return _reduce(_column_values(group, expression, how == "pooled"), how)
+
+    def cell(group: list, expression: str, how: str, relative: str, template: str) -> str:
+        if not relative:
+            return _aggregate(_column_values(group, expression, how == "pooled"), how, template)
+        base = next((other for other in groups.values() if any(_matches(r, relative) for r in other)), None)
+        value, below = number(group, expression, how), number(base, expression, how) if base else None
+        return _format(value / below if _number(value) and _number(below) and below else None, template)
+
     lines = ["| " + " | ".join(header for header, *_ in columns) + " |",
              rule or "|" + "".join("---:|" if template != "{}" else "---|" for *_, template in columns)]
     for group in groups.values():
-        lines.append("| " + " | ".join(_aggregate(_column_values(group, expression), how, template)
-                                       for _, expression, how, template in columns) + " |")
+        lines.append("| " + " | ".join(cell(group, *column[1:]) for column in columns) + " |")
     return lines
 
 
