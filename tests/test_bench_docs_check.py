@@ -162,6 +162,9 @@ def test_rows_one_record_in_brackets_and_a_missing_default_row(tmp_path):
                      "| trained | 0.500 | – |", "| blank | 0.125 | – |"]
     assert bench_docs.render_table(info, "rows", "[blank_image]", "c=color", "n=samples.1") == [
         "| c | n |", "|---|---|", "| 0.125 | 2 |"]
+    dates = {"runs": [{"at": "2026-01-02T05:00"}, {"at": "2026-01-01T09:30"}]}
+    assert bench_docs.render_table(dates, "rows", "runs", "by:missing", "first=at|min:.10", "last=at|max:.10") == [
+        "| first | last |", "|---:|---:|", "| 2026-01-01 | 2026-01-02 |"]
 
 
 def test_rows_from_files_refuses_what_it_cannot_draw(tmp_path):

@@ -94,7 +94,9 @@ def _reduce(values: list, how: str):
         return values[0] if values else None
     if not known:
         return None
-    return {"mean": sum(known) / len(known), "min": min(known), "max": max(known), "sum": sum(known)}[how]
+    if how in ("min", "max"):  # strings too: the earliest and latest ISO dates
+        return min(known) if how == "min" else max(known)
+    return sum(known) / len(known) if how == "mean" else sum(known)
 
 
 def _aggregate(values: list, how: str, template: str) -> str:
