@@ -129,6 +129,70 @@ def test_eos_inside_an_accepted_path(strategy, batch_size):
     assert row0.index(eos) == free[0, prompt_length:].tolist().index(eos)
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_nothing_below_a_drafted_eos_is_drafted_or_verified(monkeypatch, strategy, do_sample):
+    """A drafted EOS ends its path: an independent drafter never expands it, and nothing below one reaches the
+    target (an accepted EOS ends the row, a rejected one the path); greedy output == plain greedy."""
+    from hf_adaptive_spec.decoding.loop import Decoding
+    from hf_adaptive_spec.drafters.independent import IndependentDrafter
+
+    target = _target("llama")
+    inputs = make_inputs("llama", batch_size=2)
+    prompt_length = inputs["input_ids"].shape[1]
+    free = _plain(target, inputs, max_new_tokens=24)
+    eos = int(free[0, prompt_length + 3])  # depth 3 of the first round's tree: every strategy drafts below it
+    assert eos not in free[0, prompt_length : prompt_length + 3].tolist()
+    drafted, verified = [], []
+    draft, verify = IndependentDrafter.draft, Decoding._verify
+
+    def recording_draft(self, *args, **kwargs):
+        tree = draft(self, *args, **kwargs)
+        drafted.append(tree)
+        return tree
+
+    def recording_verify(self, tree):
+        verified.append(tree)
+        return verify(self, tree)
+
+    monkeypatch.setattr(IndependentDrafter, "draft", recording_draft)
+    monkeypatch.setattr(Decoding, "_verify", recording_verify)
+    # sampling near T = 0: the copy drafter still drafts row 0's EOS mid-path (the check below is not vacuous)
+    kwargs = {"do_sample": True, "temperature": 0.05, "top_k": 0} if do_sample else {"do_sample": False}
+    if strategy == "chain":  # a fixed chain of 8: the EOS at depth <= 7 has nodes below it unless they are cut
+        kwargs["spec_config"] = {"adaptive": False, "num_draft_tokens": 8, "max_draft_tokens": 8}
+    out = target.generate(**inputs, max_new_tokens=24, eos_token_id=eos, assistant_model=build_drafter(
+        "llama", target, "copy"), spec_strategy=strategy, return_dict_in_generate=True, **kwargs)
+    if not do_sample:
+        assert torch.equal(out.sequences, _plain(target, inputs, max_new_tokens=24, eos_token_id=eos))
+    stop = torch.tensor([[eos]] * 2)
+    drafted_eos = [t for t in drafted if bool(((t.tokens == eos) & t.valid)[:, 1:].any())]
+    assert drafted_eos  # the copy drafter drafts row 0's EOS mid-path
+    for tree in drafted:  # never expanded: no drafter node below an EOS
+        assert tree.below_stop(stop) is None
+    for tree in verified:
+        assert tree.below_stop(stop) is None
+
+
+def test_below_stop_marks_every_descendant_of_a_drafted_stop_token():
+    from hf_adaptive_spec.drafters.tree import DraftTree
+
+    # row 0: root 5 -> 7 -> 2 (stop) -> 8 -> 9, and 7 -> 4; row 1: root 2 (committed, not drafted) -> 3 -> 2 (leaf)
+    tokens = torch.tensor([[5, 7, 2, 4, 8, 9], [2, 3, 2, 0, 0, 0]])
+    parents = torch.tensor([[-1, 0, 1, 1, 2, 4], [-1, 0, 1, -1, -1, -1]])
+    valid = torch.tensor([[True] * 6, [True, True, True, False, False, False]])
+    depths = torch.tensor([[0, 1, 2, 2, 3, 4], [0, 1, 2, 0, 0, 0]])
+    ones = torch.ones(2, 6)
+    tree = DraftTree(tokens=tokens, parents=parents, valid=valid, probs=ones, cum_probs=ones, depths=depths,
+                     drafter_slot=torch.full((2, 6), -1), num_levels=4)
+    below = tree.below_stop(torch.tensor([[2, -1], [2, -1]]))
+    assert below.tolist() == [[False, False, False, False, True, True], [False] * 6]
+    assert tree.below_stop(torch.tensor([[6, -1], [6, -1]])) is None  # no such token
+    assert tree.below_stop(torch.tensor([[9, -1], [2, -1]])) is None  # leaves, and row 1's root is committed
+    kept = tree.subset(~below)
+    assert kept.tokens[0, : int(kept.valid[0].sum())].tolist() == [5, 7, 2, 4]
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_max_new_tokens_one(strategy):
     target = _target("qwen2")

@@ -15,6 +15,8 @@ commit), measured. The row drafts the candidate of highest tokens / seconds.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 __all__ = ["DepthAcceptance", "RoundPlanner", "level_widths", "sibling_ranks"]
@@ -56,6 +58,7 @@ class DepthAcceptance:
         self.bins, self.weight, self.depth_weight = bins, weight, depth_weight
         self.accepted = torch.zeros(bins, max_depth, max_rank, dtype=torch.float64)
         self.total = torch.zeros_like(self.accepted)
+        self.rounds = 0  # verified trees learned from, over every call that shares these estimates
 
     @staticmethod
     def prior(alpha: torch.Tensor, ranks: int) -> torch.Tensor:
@@ -99,6 +102,27 @@ class DepthAcceptance:
         index = ((bins * self.accepted.shape[1] + depth) * self.accepted.shape[2] + rank)[verified].cpu()
         self.total.view(-1).index_add_(0, index, torch.ones(index.shape[0], dtype=torch.float64))
         self.accepted.view(-1).index_add_(0, index, right[verified].double().cpu())
+        self.rounds += 1
+
+
+@lru_cache(maxsize=32)
+def _compiled(shapes: tuple, max_depth: int, max_rank: int) -> tuple:
+    """What pricing `shapes` needs, made once per set of shapes (every call of a setting plans over the same
+    ones): `(ranks (C, P, D), real (C, P, D'), rank_index, depth_index, nodes, widths)`, D' = the depths the
+    acceptance table holds."""
+    depth = max(len(p) for shape in shapes for p in shape)
+    size = max(len(shape) for shape in shapes)
+    # (C, P, D) rank of each path's node at each depth; -1 past the path's end (and for padding paths)
+    ranks = torch.full((len(shapes), size, depth), -1, dtype=torch.long)
+    for c, shape in enumerate(shapes):
+        for p, path in enumerate(shape):
+            ranks[c, p, : len(path)] = torch.tensor(path)
+    depths = min(depth, max_depth)
+    kept = ranks[:, :, :depths]
+    rank_index = kept.clamp(0, max_rank - 1)  # ranks past the table: its last
+    depth_index = torch.arange(depths)[None, None, :].expand_as(kept)
+    return (ranks, kept >= 0, rank_index, depth_index, [len(shape) for shape in shapes],
+            [level_widths(shape) for shape in shapes])
 
 
 class RoundPlanner:
@@ -120,20 +144,8 @@ class RoundPlanner:
         self.verify_seconds, self.level_seconds = verify_seconds, level_seconds
         self.round_seconds = 0.0  # t_round: a round's time outside drafter levels and verification (measured)
         self.observed = 0  # rounds learned from
-        depth = max(len(p) for shape in shapes for p in shape)
-        size = max(len(shape) for shape in shapes)
-        # (C, P, D) rank of each path's node at each depth; -1 past the path's end (and for padding paths)
-        self.ranks = torch.full((len(shapes), size, depth), -1, dtype=torch.long)
-        for c, shape in enumerate(shapes):
-            for p, path in enumerate(shape):
-                self.ranks[c, p, : len(path)] = torch.tensor(path)
-        self.nodes = [len(shape) for shape in shapes]
-        self.widths = [level_widths(shape) for shape in shapes]
-        depths = min(depth, acceptance.accepted.shape[1])
-        ranks = self.ranks[:, :, :depths]
-        self._real = ranks >= 0
-        self._rank_index = ranks.clamp(0, acceptance.accepted.shape[2] - 1)  # ranks past the table: its last
-        self._depth_index = torch.arange(depths)[None, None, :].expand_as(ranks)
+        (self.ranks, self._real, self._rank_index, self._depth_index, self.nodes,
+         self.widths) = _compiled(tuple(tuple(shape) for shape in shapes), *acceptance.accepted.shape[1:])
         self.refresh()
 
     def refresh(self) -> None:
@@ -164,11 +176,13 @@ class RoundPlanner:
 
     def observe(self, tree, target_choice: torch.Tensor, path_index: torch.Tensor, alpha: torch.Tensor) -> None:
         """Learn the target's acceptance from a verified round (`DepthAcceptance.observe`); the candidates are
-        priced again after each of the first `REFRESH_EVERY` rounds, then every `REFRESH_EVERY` rounds (a round
-        moves the estimates little, and pricing costs more than counting)."""
+        priced again after each of the first `REFRESH_EVERY` rounds the estimates learn from (counted over every
+        call that shares them), then every `REFRESH_EVERY` rounds (a round moves the estimates little, and
+        pricing costs more than counting)."""
         self.acceptance.observe(tree, target_choice, path_index, alpha)
         self.observed += 1
-        if self.observed <= self.REFRESH_EVERY or self.observed % self.REFRESH_EVERY == 0:
+        rounds = self.acceptance.rounds
+        if rounds <= self.REFRESH_EVERY or rounds % self.REFRESH_EVERY == 0:
             self.refresh()
 
     def observe_round(self, round_seconds: float, level_seconds: float, verify_seconds: float) -> None:

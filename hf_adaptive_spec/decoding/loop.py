@@ -420,8 +420,13 @@ class Decoding:
             self.stats.paused_rounds += 1
         else:
             process = self._process_draft if len(self.processors) else None
+            stop = self.stopper.stop_tokens(self.batch_size, self.device)
             tree = drafter.draft(self.strategy, process, max_depth, sample=self.do_sample, generator=self.random,
-                                 committed=(buffer.ids, buffer.lengths, self.first_real), pricing=self.pricing)
+                                 committed=(buffer.ids, buffer.lengths, self.first_real), pricing=self.pricing,
+                                 stop_tokens=stop)
+            below = tree.below_stop(stop) if stop is not None else None
+            if below is not None:  # never of use: an accepted EOS ends the row, a rejected one the path
+                tree = tree.subset(~below)
         elapsed = self.clock.lap()
         drafting = drafter.model_time - model_time
         self.stats.time_draft += drafting

@@ -186,6 +186,12 @@ class StopChecker:
         if self.eos is not None and self.eos.dim() == 2:
             self.eos = self.eos[rows]
 
+    def stop_tokens(self, batch_size: int, device) -> torch.Tensor | None:
+        """`(B, E)` each row's EOS ids (-1 padding), or None without any: a drafted one ends its path."""
+        if self.eos is None or self.eos.numel() == 0:
+            return None
+        return self._per_row(batch_size, device)[1]
+
     def room(self, buffer: SequenceBuffer) -> torch.Tensor:
         """`(B,)` tokens each row may still append."""
         return (self.max_length - buffer.lengths).clamp_min(0)

@@ -113,7 +113,7 @@ class Drafter:
         raise NotImplementedError
 
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
-              committed: tuple | None = None, pricing=None) -> DraftTree:
+              committed: tuple | None = None, pricing=None, stop_tokens=None) -> DraftTree:
         """One round's tree; node 0 is the pending root.
 
         Args:
@@ -126,6 +126,8 @@ class Drafter:
             committed (tuple, *optional*): `(ids (B, C), lengths (B,), start (B,))`, the committed rows, root
                 included (the loop's sequence buffer), for drafters that also propose from the context.
             pricing (`cost.DraftPricing`, *optional*): for drafters that `prices_levels`.
+            stop_tokens (`(B, E)`, *optional*): each row's EOS ids (-1 padding): a drafter may leave a drafted
+                one unexpanded (the loop drops whatever lies below one before verifying).
         """
         raise NotImplementedError
 
@@ -166,7 +168,7 @@ class PendingOnly(Drafter):
         self.root = prefill.first_token
 
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
-              committed: tuple | None = None, pricing=None) -> DraftTree:
+              committed: tuple | None = None, pricing=None, stop_tokens=None) -> DraftTree:
         return self.root_tree()
 
     def finish_round(self, verified: VerifiedRound) -> None:

@@ -383,7 +383,7 @@ class BlockDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
-              committed: tuple | None = None, pricing=None) -> DraftTree:
+              committed: tuple | None = None, pricing=None, stop_tokens=None) -> DraftTree:
         """One round's tree (`Drafter.draft`); node 0 is the pending root. `pricing` is not read: one forward
         drafts every level.
 

@@ -147,14 +147,14 @@ class IndependentDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
-              committed: tuple | None = None, pricing=None) -> DraftTree:
+              committed: tuple | None = None, pricing=None, stop_tokens=None) -> DraftTree:
         """One round's tree, level by level, one drafter forward per expanded level (`Drafter.draft`).
 
         Under sampling each node's children are drawn without replacement from the processed drafter
         distribution q (exponential race = Gumbel-top-k) and q is kept in the tree. `pricing` (greedy only):
         a level is expanded only while it pays for the drafter forward and the verification it adds; the
         children it stops at stay in the tree. `committed` is not read: this drafter proposes from its own
-        forwards only.
+        forwards only. A drafted `stop_tokens` id is not expanded (no forward for what cannot be of use).
         """
         if process is None:
             process = _unprocessed
@@ -191,7 +191,7 @@ class IndependentDrafter(Drafter):
             level += 1
             level_start = clock.now()
             chosen = choose_level(strategy, level, frontier, frontier_nodes, frontier_logits, k, max_depth, builder,
-                                  sample, generator)
+                                  sample, generator, stop_tokens=stop_tokens)
             if chosen is None:
                 break
             tree_width += chosen.tokens.shape[1]

@@ -62,7 +62,8 @@ class Level:
 
 def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch.Tensor, logits: torch.Tensor | None,
                  k: int, max_depth: torch.Tensor, builder, sample: bool, generator=None,
-                 may_expand: bool = True, candidates: tuple | None = None) -> Level | None:
+                 may_expand: bool = True, candidates: tuple | None = None,
+                 stop_tokens: torch.Tensor | None = None) -> Level | None:
     """Children of the frontier at `level`, or None when the strategy takes none.
 
     Args:
@@ -77,6 +78,8 @@ def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch
         candidates (`(probs, tokens)`, each `(B, F, k)`, *optional*): the frontier's top-k already computed
             (greedy only: a block drafter without logits processors offers every node of a depth the same
             distribution, so its top-k is taken once per depth, not once per node).
+        stop_tokens (`torch.LongTensor` of shape `(B, E)`, *optional*): each row's EOS ids (-1 padding): a child
+            that is one is never expanded (nothing below it can be of use).
     """
     if candidates is not None:
         if sample:
@@ -94,6 +97,8 @@ def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch
     take, expand = strategy.select(level, frontier, top_probs)
     take = take & (top_probs > 0) & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
     expand = expand & take & (level < max_depth)[:, None, None] & may_expand
+    if stop_tokens is not None:
+        expand &= ~(top_tokens[..., None] == stop_tokens[:, None, None, :]).any(-1)
     child, valid, width = compact_true(take.flatten(1))
     if width == 0:
         return None

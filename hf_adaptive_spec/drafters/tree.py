@@ -79,6 +79,22 @@ class DraftTree:
             lookup=None if self.lookup is None else torch.where(valid, self.lookup.gather(1, index), 0),
         )
 
+    def below_stop(self, stop_tokens: torch.Tensor) -> torch.Tensor | None:
+        """`(B, N)` nodes below a drafted stop token (an EOS of the row's `stop_tokens` `(B, E)`, -1 padding), or
+        None when no node is: such nodes are never of use (an accepted stop token ends the row; a rejected one
+        ends the path)."""
+        is_stop = (self.tokens[:, :, None] == stop_tokens[:, None, :]).any(-1) & self.valid
+        is_stop[:, 0] = False  # the root is committed, not drafted
+        if not bool(is_stop.any()):
+            return None
+        below = torch.zeros_like(is_stop)
+        parents = self.parents.clamp_min(0)
+        has_parent = self.parents >= 0
+        for _ in range(self.num_levels):  # parents come before children: one pass per level settles a depth
+            below = (below | is_stop).gather(1, parents) & has_parent
+        below &= self.valid
+        return below if bool(below.any()) else None
+
     def path_tokens(self) -> torch.Tensor:
         """`(B, N, num_levels)` tokens on the path root-exclusive to each node; column d-1 holds depth d."""
         ancestors, depths = ops.ancestor_matrix(self.parents)

@@ -12,6 +12,7 @@ tree; alpha is the confidence the measured acceptance is looked up by.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -172,11 +173,8 @@ class SageStrategy(Strategy):
         """Choose each row's tree with `planner` (`cost.planning.RoundPlanner`) from now on."""
         self.planner = planner
         self._plan_children = max(max(p) for shape in planner.shapes for p in shape) + 1
-        tables = [shape_tables(shape, self._plan_children, self.device) for shape in planner.shapes]
-        depth = max(len(takes) for takes, _ in tables)
-        self._plan_tables = [(_stack_level([t[0][level] if level < len(t[0]) else None for t in tables]),
-                              _stack_level([t[1][level] if level < len(t[1]) else None for t in tables]))
-                             for level in range(depth)]
+        self._plan_tables = _plan_tables(tuple(tuple(shape) for shape in planner.shapes), self._plan_children,
+                                         str(self.device))
 
     @property
     def max_children(self):
@@ -248,7 +246,7 @@ class SageStrategy(Strategy):
 
     def observe(self, accept_length, active):
         c = self.config
-        if not c.adaptive_history:
+        if not c.adaptive_history or self.planner is not None:  # planned rounds do not read D_max
             return
         self.history = torch.where(active[:, None], torch.roll(self.history, 1, dims=1), self.history)
         self.history[:, 0] = torch.where(active, accept_length.float(), self.history[:, 0])
@@ -282,6 +280,17 @@ def sage_shape(config, alpha: float) -> list[tuple]:
                     grown.append((path + (rank,), child_prob, cum * child_prob))
         frontier = grown
     return paths
+
+
+@lru_cache(maxsize=32)
+def _plan_tables(shapes: tuple, children: int, device: str) -> list:
+    """Per level, `(takes, expands)` `(C, F, K)` of every candidate shape (made once per set of shapes and
+    device: every call of a setting plans over the same ones; read only)."""
+    tables = [shape_tables(shape, children, device) for shape in shapes]
+    depth = max(len(takes) for takes, _ in tables)
+    return [(_stack_level([t[0][level] if level < len(t[0]) else None for t in tables]),
+             _stack_level([t[1][level] if level < len(t[1]) else None for t in tables]))
+            for level in range(depth)]
 
 
 def _stack_level(tables: list) -> torch.Tensor:
