@@ -339,6 +339,11 @@ def test_folder_round_trip_model_card_and_hub_upload(setup, tmp_path, monkeypatc
     info.update(init_from="my-drafter-v1", draft_vocab={"size": 100, "train_coverage": 1.0, "kept_from_init": 7})
     card = hub.write_model_card(tmp_path, info).read_text()
     assert "initialized from `my-drafter-v1`" in card and "of which 7 places" in card
+    assert "stage 1" not in card
+    info["stages"] = [{"command": "hf-adaptive-spec train-drafter --out OUT", "train_seconds": 2657.4, "tau_chain": 1.5194}]
+    card = hub.write_model_card(tmp_path, info).read_text()
+    assert ("- stage 1 (what `--init-from` started from): `hf-adaptive-spec train-drafter --out OUT`; 2657 s of "
+            "training, held-out tau_chain 1.519 on its own held-out sequences") in card
     loaded = load_drafter(tmp_path, target)
     assert loaded.has_target
     for a, b in zip(drafter.state_dict().values(), loaded.state_dict().values()):

@@ -119,6 +119,10 @@ def write_model_card(folder, info: dict) -> Path:
         lines.append(f"- command: `{info['command']}`")
     if info.get("init_from"):
         lines.append(f"- initialized from `{info['init_from']}` (fine-tuned with `--init-from`)")
+    for number, stage in enumerate(info.get("stages", []), 1):  # the runs an `--init-from` chain continues
+        lines.append(f"- stage {number} (what `--init-from` started from): `{stage['command']}`; "
+                     f"{stage['train_seconds']:.0f} s of training, held-out tau_chain {stage['tau_chain']:.3f} "
+                     "on its own held-out sequences")
     vocab = info.get("draft_vocab")
     if vocab:
         kept = vocab.get("kept_from_init")
