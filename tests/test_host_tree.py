@@ -12,7 +12,11 @@ from hf_adaptive_spec.drafters import block as block_module
 from hf_adaptive_spec.drafters import host_tree
 from hf_adaptive_spec.drafters.lookup import MAX_LOOKUP_CODE, context_lookup
 from hf_adaptive_spec.strategies import resolve_config
+from hf_adaptive_spec.cost.planning import DepthAcceptance, RoundPlanner
+from hf_adaptive_spec.strategies.chain import ChainStrategy
 from hf_adaptive_spec.strategies.laspec import LaSpecStrategy
+from hf_adaptive_spec.strategies.sage import SageStrategy
+from hf_adaptive_spec.strategies.static_tree import StaticTreeStrategy, default_tree_paths
 from tiny_models import build_model, make_inputs
 
 FIELDS = ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot", "lookup")
@@ -102,6 +106,60 @@ def test_host_tree_equals_tensor_tree(pair, kind, monkeypatch):
     assert 0 < max(kept_nodes) and min(kept_nodes) < max(kept_nodes)  # the rule kept some nodes, and not always as many
 
 
+def _shape_strategy(rng, block_size):
+    """A chain of random length, a random static tree, or a planned sage round with a random candidate."""
+    cpu = torch.device("cpu")
+    kind = rng.choice(["chain", "static_tree", "sage"])
+    if kind == "chain":
+        strategy = ChainStrategy(resolve_config("chain", {}, cpu), 1, cpu)
+        strategy.length = torch.tensor([rng.randint(1, 8)])
+        return strategy
+    if kind == "static_tree":
+        paths = default_tree_paths(rng.randint(1, 12), rng.randint(1, 6), rank_acceptance=(0.7, 0.2, 0.08))
+        return StaticTreeStrategy(resolve_config("static_tree", {"paths": paths}, cpu), 1, cpu)
+    strategy = SageStrategy(resolve_config("sage", {"n_max": rng.choice([3, 8, 20])}, cpu), 1, cpu)
+    shapes = strategy.candidate_shapes(block_size + rng.choice([0, 2]))
+    planner = RoundPlanner(shapes, DepthAcceptance(max(map(len, (p for s in shapes for p in s))), 6),
+                           lambda nodes: 0.01 * nodes, lambda width: 0.0)
+    choice = rng.randrange(len(shapes))
+    planner.choose = lambda alpha: torch.tensor([choice])
+    strategy.plan_with(planner)
+    return strategy
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "sure"])
+def test_host_shape_tree_equals_tensor_tree(pair, kind, monkeypatch):
+    """Shape strategies (chain, static tree, planned sage) at batch 1: the host-built tree == the tensor path's,
+    with depth cuts, lookup chains and shapes deeper or wider than the block's candidates."""
+    target, drafter = pair
+    built = []
+    original = host_tree.shape_tree
+    monkeypatch.setattr(block_module, "shape_tree", lambda *a: built.append(1) or original(*a))
+    vocab = drafter.config.vocab_size
+    gen = torch.Generator().manual_seed(4)
+    rng = random.Random(5)
+    for case in range(90):
+        block_size = rng.choice([1, 2, 4])
+        state = block_module.BlockDrafter(drafter, target, block_size=block_size,
+                                          context_lookup=rng.choice([0, 0, 2, 4]), lookup_tokens=rng.choice([None, 3]))
+        strategy = _shape_strategy(rng, block_size)
+        scores = _scores(gen, block_size, vocab, kind)
+        length = rng.randint(2, 30)
+        ids = torch.randint(0, 6, (1, length), generator=gen)
+        state.root = ids[:, -1].clone()
+        context = (ids, torch.tensor([length]), torch.tensor([0]))
+        max_depth = rng.choice([0, 1, block_size, block_size + 3])
+        tensor_tree = _draw(state, strategy, scores, max_depth, context, host=False)
+        host = _draw(state, strategy, scores, max_depth, context, host=True)
+        for name in FIELDS:
+            a, b = getattr(tensor_tree, name), getattr(host, name)
+            assert (a is None) == (b is None), (case, name)
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(a, b), (case, type(strategy).__name__, name, a, b)
+        assert tensor_tree.num_levels == host.num_levels and host.draft_probs is None
+    assert len(built) > 60  # the host path ran (all but the few cases whose ranks the candidates lack)
+
+
 def _random_cost_model(rng, gen):
     sizes = [1, 2, 4, 8, 16]
     seconds = sorted(rng.uniform(0.02, 0.2) for _ in sizes)
@@ -157,3 +215,29 @@ def test_generate_builds_host_trees_and_stays_exact(verify_cost, monkeypatch):
             assert len(priced) == (drafted if verify_cost else 0)  # one CPU row: every round priced on lists
         else:
             assert len(built) == before and len(priced) == priced_before  # two rows: the tensor path
+
+
+@pytest.mark.parametrize("strategy", ["chain", "static_tree", "sage"])
+def test_generate_builds_host_shape_trees_and_stays_exact(strategy, monkeypatch):
+    """Batch 1 greedy output of a shape strategy on a block drafter == plain greedy, its drafted rounds' trees
+    built on the host; under sampling (and with a logits processor) the tensor path runs."""
+    target = build_model("llama")
+    torch.manual_seed(3)
+    drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
+    built = []
+    original = host_tree.shape_tree
+    monkeypatch.setattr(block_module, "shape_tree", lambda *a: built.append(1) or original(*a))
+    inputs = make_inputs("llama", batch_size=1)
+    expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+    out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                          spec_strategy=strategy, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    drafted = out.spec_stats.rounds - out.spec_stats.paused_rounds
+    assert len(built) == drafted > 2
+    before = len(built)
+    expected = target.generate(**inputs, max_new_tokens=12, do_sample=False, repetition_penalty=1.3)
+    out = target.generate(**inputs, max_new_tokens=12, do_sample=False, repetition_penalty=1.3,
+                          assistant_model=drafter, spec_strategy=strategy)
+    assert torch.equal(out, expected) and len(built) == before
+    target.generate(**inputs, max_new_tokens=8, do_sample=True, assistant_model=drafter, spec_strategy=strategy)
+    assert len(built) == before

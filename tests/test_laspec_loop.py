@@ -198,6 +198,7 @@ def test_top_k_once_per_depth_builds_the_per_node_tree(strategy, draft_vocabular
 
     def both(self, strategy_object, process, max_depth, sample, generator):
         assert process is None  # no logits processors in this generate call
+        self.host_trees = False  # both by tensors (a lone row's host-built trees: tests/test_host_tree.py)
         per_node = original(self, strategy_object, lambda logits, *_: logits, max_depth, sample, generator)
         shared = original(self, strategy_object, None, max_depth, sample, generator)
         for name in ("tokens", "parents", "valid"):

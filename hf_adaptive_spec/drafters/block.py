@@ -29,7 +29,7 @@ from .lookup import add_chain, context_lookup, lookup_code, store_code
 from ..strategies import Frontier
 from .tree import DraftTree, TreeBuilder
 from .base import Drafter, TargetPrefill, VerifiedRound
-from .host_tree import budget_tree, latest_match
+from .host_tree import budget_tree, latest_match, shape_tree
 from .levels import choose_level
 from ..adapters.attention import text_attention
 from ..adapters.compat import text_config
@@ -84,8 +84,8 @@ class BlockDrafter(Drafter):
         datastore ([`TokenDatastore`], *optional*): also add its proposal (`hf_adaptive_spec.drafters.datastore`) to
             every greedy tree, as one more branch.
         datastore_tokens (`int`, *optional*): tokens on that branch (default: `lookup_tokens`).
-        host_trees (`bool`): at batch 1, greedy, without processors and for a budget strategy, build the tree
-            with host lists (`host_tree`: the same tree, without ~40 small tensor ops per level).
+        host_trees (`bool`): at batch 1, greedy, without processors and for a budget or shape strategy, build
+            the tree with host lists (`host_tree`: the same tree, without ~40 small tensor ops per level).
     """
 
     may_pause = True
@@ -391,8 +391,9 @@ class BlockDrafter(Drafter):
         so under greedy drafting its top-k is computed once per depth, over the draft vocabulary only.
         `committed` `(ids (B, C), lengths (B,), start (B,))`: the committed rows, root included (see
         `lookup.context_lookup`); with `context_lookup` set, a greedy tree also gets the lookup chain.
-        At batch 1, greedy, without processors and for a budget strategy, both are built on the host
-        (`host_tree`: the same tree, without ~40 small tensor ops per level).
+        At batch 1, greedy, without processors and for a budget or shape strategy (`Strategy.shared_budget`,
+        `Strategy.shared_shape`), both are built on the host (`host_tree`: the same tree, without ~40 small tensor
+        ops per level).
         """
         tree = self._draft_tree(strategy, process, max_depth, sample, generator)
         lookup = self.context_lookup and committed is not None and not sample
@@ -411,8 +412,11 @@ class BlockDrafter(Drafter):
             if lookup:
                 chain, match = latest_match(row, self.context_lookup, self.lookup_tokens)
                 chains.append((chain[:depth], lookup_code(match)))
-            probs, tokens = tree
-            return budget_tree(int(self.root[0]), probs, tokens, strategy.shared_budget, chains, self.root.device)
+            probs, tokens, shape = tree
+            if shape is None:
+                return budget_tree(int(self.root[0]), probs, tokens, strategy.shared_budget, chains, self.root.device)
+            depth = min(self.block_size, max(int(max_depth[0]), 0))
+            return shape_tree(int(self.root[0]), probs, tokens, shape, depth, chains, self.root.device)
         if store or lookup:
             ids, lengths, start = committed
         if store:
@@ -427,7 +431,8 @@ class BlockDrafter(Drafter):
 
     def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree | tuple:
         """The block's tree by the generic tensor path, or, where the batch-1 host backend applies, the block's
-        `(probs, tokens)` top-k lists per depth for `host_tree.budget_tree`."""
+        `(probs, tokens, shape)`: top-k lists per depth for `host_tree.budget_tree` (shape None) or
+        `host_tree.shape_tree` (the strategy's `shared_shape`)."""
         batch = self.root.shape[0]
         device = self.root.device
         depth_limit = max(1, min(self.block_size, int(max_depth.max())))
@@ -440,7 +445,7 @@ class BlockDrafter(Drafter):
             k = min(strategy.max_children, scores.shape[-1])
             top_probs, top_index = torch.softmax(scores, dim=-1).topk(k, dim=-1)  # (B, L, k)
             top_tokens = top_index if vocab is None else vocab[top_index]
-            root_logits = spread_to_vocabulary(scores[:, :1], vocab, vocab_size)
+            root_logits = scores[:, :1]  # over the draft vocabulary: what a strategy reads of it is a distribution
         else:
             logits = spread_to_vocabulary(scores, vocab, vocab_size)  # (B, L, V)
             k = min(strategy.max_children, logits.shape[-1])
@@ -448,11 +453,14 @@ class BlockDrafter(Drafter):
             root_logits = process(logits[:, :1], no_path, torch.zeros(batch, 1, dtype=torch.long, device=device),
                                   torch.ones(batch, 1, dtype=torch.bool, device=device))
         strategy.on_root(root_logits[:, 0])
-        if shared and batch == 1 and self.host_trees and strategy.shared_budget is not None:
-            if int(max_depth[0]) >= depth_limit:  # no row-specific depth cut
+        if shared and batch == 1 and self.host_trees:
+            shape = strategy.shared_shape
+            # a budget strategy without a row-specific depth cut, or a shape whose ranks the candidates hold
+            if ((strategy.shared_budget is not None and int(max_depth[0]) >= depth_limit)
+                    or (shape is not None and max(max(path) for path in shape) < k)):
                 probs = top_probs[0].tolist()
                 if min(min(level) for level in probs) > 0:
-                    return probs, top_tokens[0].tolist()
+                    return probs, top_tokens[0].tolist(), shape if strategy.shared_budget is None else None
 
         builder = TreeBuilder()
         ones = torch.ones(batch, 1, dtype=torch.bool, device=device)

@@ -18,7 +18,7 @@ import torch
 from ..ops.host import float32
 from .tree import DraftTree
 
-__all__ = ["budget_tree", "float32", "latest_match"]
+__all__ = ["budget_tree", "float32", "latest_match", "shape_tree"]
 
 
 
@@ -118,6 +118,35 @@ def budget_tree(root: int, probs: list[list[float]], tokens: list[list[int]], bu
             frontier.append(tree.append(token, parent, prob, float32(parent_cum * prob), level))
         tree.num_levels = level
         left -= len(frontier)
+    for chain, codes in chains:
+        tree.add_chain(chain, codes)
+    return tree.to_draft_tree(device)
+
+
+def shape_tree(root: int, probs: list[list[float]], tokens: list[list[int]], paths, max_depth: int, chains=(),
+               device=None) -> DraftTree:
+    """The tree of a shape strategy (`chain`, `static_tree`, a planned `sage` round: `select` takes exactly the
+    rank paths `paths`) over shared per-depth candidates, greedy, with `chains` hung under the root as in
+    `budget_tree`.
+
+    Args:
+        probs / tokens: `[depth][k]` the block's top-k per depth (probabilities > 0); every rank of `paths` is
+            below k and no path is deeper than the block.
+        paths: prefix-closed rank paths sorted by depth, then rank (`candidate_shapes`' order: also the order
+            the tensor path adds each level's children in, parents in frontier order, then rank).
+        max_depth: deepest level drafted (paths below it are left out).
+    """
+    tree = _RowBuilder(root)
+    index = {(): 0}
+    for path in paths:
+        depth = len(path)
+        if depth > max_depth:
+            continue
+        parent = index[path[:-1]]
+        rank = path[-1]
+        prob = probs[depth - 1][rank]
+        index[path] = tree.append(tokens[depth - 1][rank], parent, prob, float32(tree.cum_probs[parent] * prob), depth)
+        tree.num_levels = max(tree.num_levels, depth)
     for chain, codes in chains:
         tree.add_chain(chain, codes)
     return tree.to_draft_tree(device)

@@ -249,8 +249,18 @@ class Strategy:
         drafter at batch 1 may build the same tree on the host (`drafters.host_tree`). None otherwise."""
         return None
 
+    @property
+    def shared_shape(self) -> tuple | None:
+        """The rank paths (sorted by depth, then rank) `select` takes this round when, for a batch of one row
+        under greedy decoding, it takes exactly a fixed shape whatever the candidates' probabilities (`chain`,
+        `static_tree`, a planned `sage` round; read after `on_root`): then a block drafter may build the tree on
+        the host (`drafters.host_tree.shape_tree`). None otherwise."""
+        return None
+
     def on_root(self, root_logits: torch.Tensor) -> None:
-        """Called once per round with the drafter's processed logits `(B, V)` at the root."""
+        """Called once per round with the drafter's processed logits `(B, V)` at the root (a block drafter without
+        logits processors gives them over its draft vocabulary, V' <= V ids: the same distribution; strategies read
+        it, never its ids)."""
 
     def select(self, level: int, frontier: Frontier, candidate_probs: torch.Tensor):
         """Return `(take, expand)`, both `(B, F, K)` bool, for candidates with probs `(B, F, K)`."""

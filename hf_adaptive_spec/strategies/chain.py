@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -63,6 +64,10 @@ class ChainStrategy(Strategy):
     def max_children(self):
         return 1
 
+    @property
+    def shared_shape(self):
+        return chain_paths(int(self.length[0])) if self.batch_size == 1 and not self.sampling else None
+
     def select(self, level, frontier, candidate_probs):
         take = (level <= self.length)[:, None, None].expand_as(candidate_probs)
         expand = take & (level < self.length)[:, None, None]
@@ -74,3 +79,9 @@ class ChainStrategy(Strategy):
         grown = torch.where(accept_length >= self.length, self.length + 2, self.length - 1)
         grown = grown.clamp(self.config.min_draft_tokens, self.config.max_draft_tokens)
         self.length = torch.where(active, grown, self.length)
+
+
+@lru_cache(maxsize=64)
+def chain_paths(length: int) -> tuple:
+    """The rank paths of a chain of `length` top-1 tokens."""
+    return tuple((0,) * depth for depth in range(1, length + 1))

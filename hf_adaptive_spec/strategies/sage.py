@@ -181,6 +181,13 @@ class SageStrategy(Strategy):
         width = int(round(self.config.w_max))
         return width if self.planner is None else max(width, self._plan_children)
 
+    @property
+    def shared_shape(self):
+        """The planned candidate of a batch's single row (planned rounds are greedy)."""
+        if self.planner is None or self.batch_size != 1:
+            return None
+        return self.planner.shapes[int(self.choice[0])]
+
     def depth(self) -> torch.Tensor:
         """Eq. 10: D(alpha) = D_min + alpha (D_max - D_min), per row."""
         return torch.round(self.config.d_min + self.alpha * (self.d_max - self.config.d_min))

@@ -139,10 +139,15 @@ class StaticTreeStrategy(Strategy):
         super().__init__(config, batch_size, device)
         self._max_children = max(p[-1] for p in config.paths) + 1
         self.take, self.expand = shape_tables(config.paths, self._max_children, device)
+        self._paths = tuple(sorted(map(tuple, config.paths), key=lambda p: (len(p), p)))  # the host path's order
 
     @property
     def max_children(self):
         return self._max_children
+
+    @property
+    def shared_shape(self):
+        return self._paths if self.batch_size == 1 and not self.sampling else None
 
     def select(self, level, frontier, candidate_probs):
         batch, width, _ = candidate_probs.shape
