@@ -91,6 +91,31 @@ def test_calibrator_learns_from_verified_nodes():
     assert float(calibrator(torch.tensor(0.9))) == pytest.approx((0.875 + 20) / 41)
 
 
+def test_one_rows_calibration_on_host_lists_equals_the_tensor_path():
+    """`CostModel.observe` of one CPU row counts on host lists the cells the calibrators' tensor `observe` counts
+    (drafter bins, lookup codes with and without the drafter's agreement), bin edges included."""
+    gen = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0.0, 0.05, 0.1, 0.35, 0.5, 0.95, 1.0, 0.15, 0.45])  # exact multiples of 1 / 20 and near
+    for case in range(200):
+        size = int(torch.randint(2, 12, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, node, (1,), generator=gen)) for node in range(1, size)]
+        probs = torch.where(torch.rand(size, generator=gen) < 0.3, edges[torch.randint(0, len(edges), (size,),
+                                                                                       generator=gen)],
+                            torch.rand(size, generator=gen)).tolist()
+        tree = _tree(parents, probs, tokens=torch.randint(0, 3, (size,), generator=gen).tolist())
+        if case % 2:
+            tree.lookup = torch.where(torch.rand(1, size, generator=gen) < 0.5,
+                                      torch.randint(1, 40, (1, size), generator=gen), 0)
+        choice = torch.randint(0, 3, (1, size), generator=gen)
+        host = CostModel(CostProfile(sizes=[1, 8], seconds=[0.01, 0.02]), max_tokens=16, device="cpu")
+        tensors = CostModel(CostProfile(sizes=[1, 8], seconds=[0.01, 0.02]), max_tokens=16, device="cpu")
+        host.observe(tree, choice, 0.1, torch.tensor(2))
+        tensors.calibrator.observe(tree, choice)
+        tensors.lookup_calibrator.observe(tree, choice)
+        for mine, theirs in ((host.calibrator, tensors.calibrator), (host.lookup_calibrator, tensors.lookup_calibrator)):
+            assert torch.equal(mine.total, theirs.total) and torch.equal(mine.accepted, theirs.accepted), case
+
+
 def test_subset_keeps_structure():
     tree = _tree([-1, 0, 0, 1, 2, 3], [1.0, 0.9, 0.5, 0.8, 0.4, 0.7])
     keep = torch.tensor([[True, True, False, True, False, True]])
@@ -99,6 +124,35 @@ def test_subset_keeps_structure():
     assert sub.parents[0].tolist() == [-1, 0, 1, 2]
     assert sub.depths[0].tolist() == [0, 1, 2, 3]
     assert sub.num_levels == 3
+
+
+def test_a_rows_prefix_subset_equals_the_gathered_one():
+    """One row keeping its first m nodes takes views; any kept set equals the gathering path (a batch of the row
+    twice), field by field, prefixes and not."""
+    gen = torch.Generator().manual_seed(1)
+    prefixes = 0
+    for case in range(200):
+        size = int(torch.randint(1, 10, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, node, (1,), generator=gen)) for node in range(1, size)]
+        tree = _tree(parents, torch.rand(size, generator=gen).tolist())
+        if case % 2:
+            tree.lookup = torch.randint(0, 3, (1, size), generator=gen)
+        keep = [True] + [bool(torch.rand(1, generator=gen) < 0.7) for _ in range(1, size)]
+        for node in range(1, size):  # closed under ancestors
+            keep[node] = keep[node] and keep[parents[node]]
+        if case % 3 == 0:  # a prefix
+            m = int(torch.randint(1, size + 1, (1,), generator=gen))
+            keep = [node < m for node in range(size)]
+        prefixes += keep == sorted(keep, reverse=True)
+        one = tree.subset(torch.tensor([keep]))
+        both = _rows(tree, tree)
+        both.lookup = None if tree.lookup is None else tree.lookup.repeat(2, 1)
+        two = both.subset(torch.tensor([keep, keep]))
+        for name in ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot", "lookup"):
+            a, b = getattr(one, name), getattr(two, name)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b[:1])), (case, name)
+        assert one.num_levels == two.num_levels
+    assert prefixes > 60
 
 
 def test_measured_profile_leaves_the_cache_unchanged_and_is_cached(tmp_path, monkeypatch):

@@ -68,6 +68,7 @@ def test_the_planned_choice_is_the_best_of_the_enumerated_candidates():
         for alpha, pick in zip(alphas, chosen.tolist()):
             rates = _brute_force(shapes, table, int(acceptance.bin(alpha[None])), verify, level, 0.2)
             assert rates[pick] == pytest.approx(max(rates), rel=1e-9), name
+            assert planner.choose(alpha[None]).tolist() == [pick]  # one row: the host lists choose the same
 
 
 def test_a_steep_curve_chooses_a_chain_and_a_flat_one_a_wider_tree():
@@ -124,6 +125,38 @@ def test_the_acceptance_learned_is_what_the_target_accepted_given_the_parent():
     assert acceptance.total[b, 2].sum() == 0  # d's parent c was rejected: d says nothing
     table = acceptance.table()
     assert table[b, 0, 0] > table[b, 1, 0]  # depth 2 learned a rejection
+
+
+def test_one_row_learns_on_host_lists_what_the_tensor_path_learns():
+    """`DepthAcceptance.observe` of one CPU row (host lists) == the batched tensor path, on random trees, choices
+    and accepted paths (the batch of two rows with the same tree twice takes the tensor path)."""
+    gen = torch.Generator().manual_seed(0)
+    for case in range(200):
+        size = int(torch.randint(2, 14, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, node, (1,), generator=gen)) for node in range(1, size)]
+        depths = [0] * size
+        for node in range(1, size):
+            depths[node] = depths[parents[node]] + 1
+        tokens = torch.randint(0, 4, (size,), generator=gen).tolist()
+        tree = _tree(parents, tokens, depths)
+        choice = torch.randint(0, 4, (1, size), generator=gen)
+        path = [0]
+        while True:  # an accepted path: down to a child that carries the choice after its node
+            nxt = [n for n in range(size) if parents[n] == path[-1] and tokens[n] == int(choice[0, path[-1]])]
+            if not nxt:
+                break
+            path.append(nxt[0])
+        path_index = torch.tensor([path + [path[-1]] * (6 - len(path))]) if len(path) < 6 else torch.tensor([path])
+        alpha = torch.rand(1, generator=gen)
+        depth, ranks = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen))
+        host, tensors = DepthAcceptance(depth, ranks), DepthAcceptance(depth, ranks)
+        host.observe(tree, choice, path_index, alpha)
+        double = DraftTree(**{name: torch.cat([getattr(tree, name)] * 2) for name in
+                              ("tokens", "parents", "valid", "probs", "cum_probs", "depths", "drafter_slot")},
+                           num_levels=tree.num_levels)
+        tensors.observe(double, choice.repeat(2, 1), path_index.repeat(2, 1), alpha.repeat(2))
+        assert torch.equal(host.total * 2, tensors.total) and torch.equal(host.accepted * 2, tensors.accepted), case
+        assert host.rounds == tensors.rounds == 1
 
 
 @pytest.mark.parametrize("curve", ["steep", "flat"])

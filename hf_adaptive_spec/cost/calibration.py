@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..ops.host import float32
 from .profile import CostProfile
 
 __all__ = ["ENV_COST_PROFILE", "AcceptanceCalibrator", "Calibration", "LookupCalibrator", "PauseState",
@@ -50,6 +51,17 @@ class AcceptanceCalibrator:
         self.total.index_add_(0, bins, torch.ones_like(bins, dtype=torch.float32))
         self.accepted.index_add_(0, bins, right[nodes].float())
 
+    def host_bin(self, prob: float) -> int:
+        """`_bin` of one float32 probability held as a Python float (the same float32 product, truncated)."""
+        return min(max(int(float32(prob * self.num_bins)), 0), self.num_bins - 1)
+
+    def add(self, index: list, right: list) -> None:
+        """Count verified nodes given as host lists: their bins and whether each was right."""
+        if index:
+            index = torch.tensor(index, device=self.total.device)
+            self.total.index_add_(0, index, torch.ones(index.shape[0], device=self.total.device))
+            self.accepted.index_add_(0, index, torch.tensor(right, dtype=torch.float32, device=self.total.device))
+
 
 class LookupCalibrator:
     """P(target accepts a lookup node | its parent was accepted), per lookup code (its source and class: the
@@ -79,6 +91,18 @@ class LookupCalibrator:
         index = self._index(tree.lookup, tree.probs > 0)[nodes]
         self.total.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
         self.accepted.view(-1).index_add_(0, index, right[nodes].float())
+
+    def host_index(self, match: int, agreed: bool) -> int:
+        """`_index` of one node from host values."""
+        return int(agreed) * (self.max_match + 1) + min(max(match, 0), self.max_match)
+
+    def add(self, index: list, right: list) -> None:
+        """Count verified lookup nodes given as host lists: their flat cells and whether each was right."""
+        if index:
+            index = torch.tensor(index, device=self.total.device)
+            self.total.view(-1).index_add_(0, index, torch.ones(index.shape[0], device=self.total.device))
+            self.accepted.view(-1).index_add_(0, index, torch.tensor(right, dtype=torch.float32,
+                                                                     device=self.total.device))
 
 
 def verified_nodes(tree, target_choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -289,9 +289,12 @@ class CostModel:
         """Learn from a verified round: calibration from its nodes, t_token from its time and `tokens` (0-d),
         and (with `live_scale`) the profile's scale from `verify_seconds`, the time of its verification forward
         over the `tree`'s `N` tokens."""
-        verified = verified_nodes(tree, target_choice)
-        self.calibrator.observe(tree, target_choice, verified)
-        self.lookup_calibrator.observe(tree, target_choice, verified)
+        if tree.tokens.shape[0] == 1 and tree.tokens.device.type == "cpu" and bool(tree.valid.all()):
+            self._calibrate_host(tree, target_choice)
+        else:
+            verified = verified_nodes(tree, target_choice)
+            self.calibrator.observe(tree, target_choice, verified)
+            self.lookup_calibrator.observe(tree, target_choice, verified)
         if not self.timed:
             round_seconds = self._seconds[min(tree.tokens.shape[1], len(self._seconds) - 1)]
         rate = round_seconds / tokens.clamp_min(1)
@@ -307,6 +310,23 @@ class CostModel:
             if self.width_table is None or tree.tokens.shape[0] == 1 or bool(tree.valid.all()):
                 # a block the chain curve prices as it is (a packed one is priced by the model above)
                 self.observed.setdefault(tree.tokens.shape[1], []).append(verify_seconds)
+
+    def _calibrate_host(self, tree, target_choice: torch.Tensor) -> None:
+        """Both calibrators' `observe` for one CPU row with no padding nodes, on host lists (the same cells)."""
+        tokens, parents, probs = tree.tokens[0].tolist(), tree.parents[0].tolist(), tree.probs[0].tolist()
+        choice = target_choice[0].tolist()
+        lookup = tree.lookup[0].tolist() if tree.lookup is not None else None
+        drafted, drafted_right, looked, looked_right = [], [], [], []
+        for node in range(1, len(tokens)):
+            right = float(tokens[node] == choice[parents[node]])
+            if lookup is None or lookup[node] == 0:
+                drafted.append(self.calibrator.host_bin(probs[node]))
+                drafted_right.append(right)
+            if lookup is not None and lookup[node] > 0:
+                looked.append(self.lookup_calibrator.host_index(lookup[node], probs[node] > 0))
+                looked_right.append(right)
+        self.calibrator.add(drafted, drafted_right)
+        self.lookup_calibrator.add(looked, looked_right)
 
     def refine_profile(self) -> CostProfile:
         """At the end of a call: store the profile corrected by this call's measured forwards, where they

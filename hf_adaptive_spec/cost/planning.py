@@ -90,6 +90,10 @@ class DepthAcceptance:
     def observe(self, tree, target_choice: torch.Tensor, path_index: torch.Tensor, alpha: torch.Tensor) -> None:
         """Learn from one verified tree: its nodes whose parent the target accepted (on the accepted path
         `path_index` `(B, D + 1)`, root first), right or not, under each row's `alpha` `(B,)`."""
+        if tree.tokens.shape[0] == 1 and tree.tokens.device.type == "cpu" and bool(tree.valid.all()):
+            self._observe_row(tree.tokens[0].tolist(), tree.parents[0].tolist(), tree.depths[0].tolist(),
+                              target_choice[0].tolist(), set(path_index[0].tolist()), float(alpha[0]))
+            return
         nodes = tree.valid.clone()
         nodes[:, 0] = False
         parents = tree.parents.clamp_min(0)
@@ -102,6 +106,26 @@ class DepthAcceptance:
         index = ((bins * self.accepted.shape[1] + depth) * self.accepted.shape[2] + rank)[verified].cpu()
         self.total.view(-1).index_add_(0, index, torch.ones(index.shape[0], dtype=torch.float64))
         self.accepted.view(-1).index_add_(0, index, right[verified].double().cpu())
+        self.rounds += 1
+
+    def _observe_row(self, tokens: list, parents: list, depths: list, choice: list, path: set, alpha: float) -> None:
+        """`observe` for one CPU row with no padding nodes, on host lists (the same cells and counts)."""
+        _, max_depth, max_rank = self.accepted.shape
+        row = min(max(int(alpha * self.bins), 0), self.bins - 1) * max_depth  # `bin`: float64 product, truncated
+        seen: dict = {}  # children met so far per parent: a node's sibling rank
+        index, right = [], []
+        for node in range(1, len(tokens)):
+            parent = parents[node]
+            rank = seen.get(parent, 0)
+            seen[parent] = rank + 1
+            depth = depths[node] - 1
+            if parent in path and depth < max_depth and rank < max_rank:
+                index.append((row + depth) * max_rank + rank)
+                right.append(float(tokens[node] == choice[parent]))
+        if index:
+            index = torch.tensor(index)
+            self.total.view(-1).index_add_(0, index, torch.ones(len(right), dtype=torch.float64))
+            self.accepted.view(-1).index_add_(0, index, torch.tensor(right, dtype=torch.float64))
         self.rounds += 1
 
 
@@ -151,6 +175,7 @@ class RoundPlanner:
     def refresh(self) -> None:
         """Price the candidates' tokens again from what the acceptance has learned (after `observe`)."""
         self._tokens = self._expected(self.acceptance.table(optimistic=True))
+        self._host_tokens = self._tokens.tolist()  # (bins, C): a single row's choice reads lists
 
     def expected_tokens(self, alpha: torch.Tensor) -> torch.Tensor:
         """`(B, C)` expected tokens of each candidate (accepted drafts + the bonus) for rows of confidence
@@ -165,12 +190,19 @@ class RoundPlanner:
 
     def seconds(self) -> torch.Tensor:
         """`(C,)` each candidate's round time."""
-        return torch.tensor([self.round_seconds + sum(self.level_seconds(w) for w in widths)
-                             + self.verify_seconds(nodes + 1) for widths, nodes in zip(self.widths, self.nodes)],
-                            dtype=torch.float64)
+        return torch.tensor(self._seconds(), dtype=torch.float64)
+
+    def _seconds(self) -> list:
+        return [self.round_seconds + sum(self.level_seconds(w) for w in widths) + self.verify_seconds(nodes + 1)
+                for widths, nodes in zip(self.widths, self.nodes)]
 
     def choose(self, alpha: torch.Tensor) -> torch.Tensor:
-        """`(B,)` the candidate of highest expected tokens per second for each row."""
+        """`(B,)` the candidate of highest expected tokens per second for each row (the first of equals)."""
+        if alpha.shape[0] == 1:  # one row: the same float64 quotients on host lists
+            tokens = self._host_tokens[min(max(int(float(alpha[0]) * self.acceptance.bins), 0),
+                                           self.acceptance.bins - 1)]
+            rates = [t / max(s, 1e-9) for t, s in zip(tokens, self._seconds())]
+            return torch.tensor([rates.index(max(rates))])
         rate = self.expected_tokens(alpha) / self.seconds().clamp_min(1e-9)[None, :]
         return rate.argmax(-1)
 

@@ -57,6 +57,11 @@ class DraftTree:
 
     def subset(self, keep: torch.Tensor) -> "DraftTree":
         """The tree restricted to nodes `keep` `(B, N)` (closed under ancestors, root kept), order preserved."""
+        if keep.shape[0] == 1:  # one row keeping its first m nodes (a trimmed chain, a whole tree): views
+            kept = keep[0] & self.valid[0]
+            m = int(kept.sum())
+            if bool(kept[:m].all()):
+                return self if m == kept.shape[0] else self._prefix(m)
         index, valid, width = compact_true(keep & self.valid)
         new_index = (keep & self.valid).long().cumsum(-1) - 1  # (B, N) old -> new position
         parents = self.parents.gather(1, index)
@@ -77,6 +82,16 @@ class DraftTree:
             num_levels=int(depths.max()) if depths.numel() else 0,
             draft_probs=draft_probs,
             lookup=None if self.lookup is None else torch.where(valid, self.lookup.gather(1, index), 0),
+        )
+
+    def _prefix(self, m: int) -> "DraftTree":
+        """The tree of its first `m` nodes (valid, closed under ancestors: `subset` of that prefix)."""
+        return DraftTree(
+            tokens=self.tokens[:, :m], parents=self.parents[:, :m], valid=self.valid[:, :m],
+            probs=self.probs[:, :m], cum_probs=self.cum_probs[:, :m], depths=self.depths[:, :m],
+            drafter_slot=self.drafter_slot[:, :m], num_levels=int(self.depths[:, :m].max()),
+            draft_probs=None if self.draft_probs is None else self.draft_probs[:, :m],
+            lookup=None if self.lookup is None else self.lookup[:, :m],
         )
 
     def below_stop(self, stop_tokens: torch.Tensor) -> torch.Tensor | None:
