@@ -97,6 +97,8 @@ def test_every_chain_depth_and_the_static_tree_are_candidates():
     config = strategy.config
     for length in range(1, config.depth_cap + 1):  # whatever length the `chain` strategy would draft
         assert tuple((0,) * d for d in range(1, length + 1)) in shapes
+        fork = tuple(sorted([(0,) * d for d in range(1, length + 1)] + [(1,)], key=lambda p: (len(p), p)))
+        assert (fork in shapes) == (length + 1 <= config.n_max)  # with the second choice at depth 1, in budget
     assert tuple(default_tree_paths(6, 5)) in shapes
     assert candidate_shapes(3, 2) == [((0,),), ((0,), (0, 0))]  # within the node budget
     block = strategy.candidate_shapes(max_depth=4)  # a block drafter of 4: nothing deeper than it drafts

@@ -5,8 +5,9 @@ shallow and wide. Every row of a batch has its own alpha, depth and history.
 
 With the cost rule (greedy, `verify_cost`) and `plan` on, each row's tree is chosen per round among candidates by
 expected accepted tokens per second of round time (`cost.planning`): chains of every depth up to the depth cap
-(the one the `chain` strategy would draft among them), SAGE's own tree for the row's alpha, and the static
-tree; alpha is the confidence the measured acceptance is looked up by.
+(the one the `chain` strategy would draft among them), the same chains with the drafter's second choice at
+depth 1, SAGE's own tree for the row's alpha, and the static tree; alpha is the confidence the measured
+acceptance is looked up by.
 """
 
 from __future__ import annotations
@@ -160,13 +161,16 @@ class SageStrategy(Strategy):
         return self.config.plan and self.cost_aware and not self.sampling
 
     def candidate_shapes(self, max_depth: int | None = None) -> list:
-        """The shapes a planned round chooses among: chains of every depth up to the depth cap, SAGE's tree at
-        each alpha bin's centre, and the static tree, within the node budget and `max_depth` (the drafter's
-        own limit, if it has one)."""
+        """The shapes a planned round chooses among: chains of every depth up to the depth cap, each also with
+        the drafter's second choice at depth 1 as a leaf (one more verified node, no drafter work: it pays
+        where the curve is flat at small sizes and the runner-up is often right), SAGE's tree at each alpha
+        bin's centre, and the static tree, within the node budget and `max_depth` (the drafter's own limit, if
+        it has one)."""
         c = self.config
         depth = c.depth_cap if max_depth is None else min(c.depth_cap, max_depth)
         static = default_tree_paths(24, 6) if on_gpu(self.device) else default_tree_paths(6, 5)
-        extra = [sage_shape(c, (b + 0.5) / 10) for b in range(10)] + [static]
+        forks = [[(0,) * d for d in range(1, length + 1)] + [(1,)] for length in range(1, depth + 1)]
+        extra = forks + [sage_shape(c, (b + 0.5) / 10) for b in range(10)] + [static]
         return candidate_shapes(depth, c.n_max, [[p for p in shape if len(p) <= depth] for shape in extra])
 
     def plan_with(self, planner) -> None:
