@@ -38,7 +38,7 @@ class CostModel:
         # untimed (a fixed curve, `SpecCalibration(cost_profile=...)`): a round is priced at its size's cost on
         # the curve instead of its measured time, and the curve is never rescaled
         self.timed = timed
-        self._seconds = [profile.time(n) for n in range(max_tokens + 2)]  # host copy: no device read per round
+        self._seconds = profile.times(max_tokens + 2)  # host copy: no device read per round
         self.table = torch.tensor(self._seconds, dtype=torch.float64, device=device)
         if calibration is None:
             calibration = Calibration.fresh(device)
@@ -75,7 +75,7 @@ class CostModel:
         """T_w(W) for W = 0 .. max_tokens + 1 (T_w(0) = 0) on the host (`_widths`) and as `width_table`; both
         None without a packed forward or a width curve (then the batch shares one count)."""
         widths = profile.width_profile() if self.packed else None
-        self._widths = None if widths is None else [widths.time(w) for w in range(max_tokens + 2)]
+        self._widths = None if widths is None else widths.times(max_tokens + 2)
         self.width_table = None if widths is None else torch.tensor(self._widths, dtype=torch.float64, device=device)
 
     def use_profile(self, profile: CostProfile, rows: int) -> None:
@@ -94,7 +94,7 @@ class CostModel:
             return
         self.refine_profile()
         self.profile = profile
-        self._seconds = [profile.time(n) for n in range(len(self._seconds))]
+        self._seconds = profile.times(len(self._seconds))
         self.table = torch.tensor(self._seconds, dtype=torch.float64, device=self.table.device)
         self._set_widths(profile, len(self._seconds) - 2, self.table.device)
         self.calibration.profile, self.calibration.scale = profile, 1.0

@@ -4,6 +4,7 @@ assumed before anything is measured."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 import torch
 
@@ -71,6 +72,10 @@ class CostProfile:
         slope = max((seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]), 0.0)
         return seconds[-1] + slope * (n - sizes[-1])
 
+    def times(self, count: int) -> list:
+        """`[T(0), ..., T(count - 1)]` (made once per curve and count: a call's cost model reads the same one)."""
+        return list(_times(tuple(self.sizes), tuple(self.seconds), count))
+
     def width_profile(self) -> "CostProfile | None":
         """The width curve as a profile of its own (None: not measured)."""
         if self.width_sizes is None:
@@ -96,3 +101,9 @@ def prior_profile(device, key: str = "") -> CostProfile:
     slope = _PRIOR_SLOPE.get(torch.device(device).type, _PRIOR_SLOPE_ACCELERATOR)
     return CostProfile(sizes=list(DEFAULT_SIZES), seconds=[1.0 + slope * (n - 1) for n in DEFAULT_SIZES], key=key,
                        source="prior")
+
+
+@lru_cache(maxsize=64)
+def _times(sizes: tuple, seconds: tuple, count: int) -> tuple:
+    profile = CostProfile(list(sizes), list(seconds))
+    return tuple(profile.time(n) for n in range(count))

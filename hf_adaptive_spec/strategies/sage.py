@@ -168,10 +168,8 @@ class SageStrategy(Strategy):
         it has one)."""
         c = self.config
         depth = c.depth_cap if max_depth is None else min(c.depth_cap, max_depth)
-        static = default_tree_paths(24, 6) if on_gpu(self.device) else default_tree_paths(6, 5)
-        forks = [[(0,) * d for d in range(1, length + 1)] + [(1,)] for length in range(1, depth + 1)]
-        extra = forks + [sage_shape(c, (b + 0.5) / 10) for b in range(10)] + [static]
-        return candidate_shapes(depth, c.n_max, [[p for p in shape if len(p) <= depth] for shape in extra])
+        fields = (c.d_min, c.d_max, c.w_min, c.w_max, c.n_max, c.top_k, c.theta_scale, c.expand_rule)
+        return list(_candidates(fields, depth, on_gpu(self.device)))
 
     def plan_with(self, planner) -> None:
         """Choose each row's tree with `planner` (`cost.planning.RoundPlanner`) from now on."""
@@ -249,9 +247,10 @@ class SageStrategy(Strategy):
             return empty, empty
         takes, expands = self._plan_tables[level - 1]
         rows, ranks = min(width, takes.shape[1]), min(k, takes.shape[2])
-        take, expand = empty.clone(), empty.clone()
-        take[:, :rows, :ranks] = takes[self.choice, :rows, :ranks]
-        expand[:, :rows, :ranks] = expands[self.choice, :rows, :ranks]
+        take, expand = takes[self.choice, :rows, :ranks], expands[self.choice, :rows, :ranks]
+        if (rows, ranks) != (width, k):  # a narrower frontier or fewer ranks in every candidate: nothing there
+            pad = (0, k - ranks, 0, width - rows)
+            take, expand = torch.nn.functional.pad(take, pad), torch.nn.functional.pad(expand, pad)
         valid = frontier.valid[..., None]
         return take & valid, expand & valid
 
@@ -291,6 +290,18 @@ def sage_shape(config, alpha: float) -> list[tuple]:
                     grown.append((path + (rank,), child_prob, cum * child_prob))
         frontier = grown
     return paths
+
+
+@lru_cache(maxsize=32)
+def _candidates(fields: tuple, depth: int, gpu: bool) -> tuple:
+    """`SageStrategy.candidate_shapes` for the shape fields of a config (made once per setting)."""
+    d_min, d_max, w_min, w_max, n_max, top_k, theta_scale, expand_rule = fields
+    config = SageConfig(d_min=d_min, d_max=d_max, w_min=w_min, w_max=w_max, n_max=n_max, top_k=top_k,
+                        theta_scale=theta_scale, expand_rule=expand_rule)
+    static = default_tree_paths(24, 6) if gpu else default_tree_paths(6, 5)
+    forks = [[(0,) * d for d in range(1, length + 1)] + [(1,)] for length in range(1, depth + 1)]
+    extra = forks + [sage_shape(config, (b + 0.5) / 10) for b in range(10)] + [static]
+    return tuple(candidate_shapes(depth, n_max, [[p for p in shape if len(p) <= depth] for shape in extra]))
 
 
 @lru_cache(maxsize=32)
