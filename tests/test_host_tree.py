@@ -46,12 +46,26 @@ def _draw(state, strategy, scores, max_depth, context, host):
     return state.draft(strategy, None, torch.tensor([max_depth]), committed=context)
 
 
+def _spy(monkeypatch, name: str) -> list:
+    """The calls of `block.<name>` (a host_tree builder), counted."""
+    built = []
+    original = getattr(host_tree, name)
+    monkeypatch.setattr(block_module, name, lambda *a: built.append(1) or original(*a))
+    return built
+
+
+def _assert_same_tree(a_tree, b_tree, case) -> None:
+    for name in FIELDS:
+        a, b = getattr(a_tree, name), getattr(b_tree, name)
+        assert (a is None) == (b is None), (case, name)
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), (case, name, a, b)
+    assert a_tree.num_levels == b_tree.num_levels
+
+
 @pytest.mark.parametrize("kind", ["random", "ties", "sure"])
 def test_host_tree_equals_tensor_tree(pair, kind, monkeypatch):
     target, drafter = pair
-    built = []
-    original = host_tree.budget_tree
-    monkeypatch.setattr(block_module, "budget_tree", lambda *a: built.append(1) or original(*a))
+    built = _spy(monkeypatch, "budget_tree")
     vocab = drafter.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     rng = random.Random(2)
@@ -86,22 +100,14 @@ def test_host_tree_equals_tensor_tree(pair, kind, monkeypatch):
         max_depth = rng.choice([0, 1, block_size, block_size + 3])
         tensor_tree = _draw(state, strategy, scores, max_depth, context, host=False)
         host = _draw(state, strategy, scores, max_depth, context, host=True)
-        for name in FIELDS:
-            a, b = getattr(tensor_tree, name), getattr(host, name)
-            assert (a is None) == (b is None), name
-            if a is not None:
-                assert a.dtype == b.dtype and torch.equal(a, b), (case, name, a, b)
-        assert tensor_tree.num_levels == host.num_levels and host.draft_probs is None
+        _assert_same_tree(tensor_tree, host, case)
+        assert host.draft_probs is None
         # the cost rule and the subset it keeps: host lists == tensors, with random calibration and costs
         cost = _random_cost_model(rng, gen)
         (keep_a, n_a), (keep_b, n_b) = cost.prune(tensor_tree), cost.prune(host)
         assert torch.equal(keep_a, keep_b) and int(n_a) == int(n_b), (case, keep_a, keep_b)
         kept_nodes.append(int(n_a))
-        small_a, small_b = tensor_tree.subset(keep_a), host.subset(keep_b)
-        for name in FIELDS:
-            a, b = getattr(small_a, name), getattr(small_b, name)
-            assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b))), name
-        assert small_a.num_levels == small_b.num_levels
+        _assert_same_tree(tensor_tree.subset(keep_a), host.subset(keep_b), case)
     assert len(built) > 30  # the host path ran (max_depth 0 keeps the tensor path)
     assert 0 < max(kept_nodes) and min(kept_nodes) < max(kept_nodes)  # the rule kept some nodes, and not always as many
 
@@ -132,9 +138,7 @@ def test_host_shape_tree_equals_tensor_tree(pair, kind, monkeypatch):
     """Shape strategies (chain, static tree, planned sage) at batch 1: the host-built tree == the tensor path's,
     with depth cuts, lookup chains and shapes deeper or wider than the block's candidates."""
     target, drafter = pair
-    built = []
-    original = host_tree.shape_tree
-    monkeypatch.setattr(block_module, "shape_tree", lambda *a: built.append(1) or original(*a))
+    built = _spy(monkeypatch, "shape_tree")
     vocab = drafter.config.vocab_size
     gen = torch.Generator().manual_seed(4)
     rng = random.Random(5)
@@ -151,12 +155,8 @@ def test_host_shape_tree_equals_tensor_tree(pair, kind, monkeypatch):
         max_depth = rng.choice([0, 1, block_size, block_size + 3])
         tensor_tree = _draw(state, strategy, scores, max_depth, context, host=False)
         host = _draw(state, strategy, scores, max_depth, context, host=True)
-        for name in FIELDS:
-            a, b = getattr(tensor_tree, name), getattr(host, name)
-            assert (a is None) == (b is None), (case, name)
-            if a is not None:
-                assert a.dtype == b.dtype and torch.equal(a, b), (case, type(strategy).__name__, name, a, b)
-        assert tensor_tree.num_levels == host.num_levels and host.draft_probs is None
+        _assert_same_tree(tensor_tree, host, (case, type(strategy).__name__))
+        assert host.draft_probs is None
     assert len(built) > 60  # the host path ran (all but the few cases whose ranks the candidates lack)
 
 
@@ -195,9 +195,7 @@ def test_generate_builds_host_trees_and_stays_exact(verify_cost, monkeypatch):
     target = build_model("llama")
     torch.manual_seed(3)
     drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
-    built = []
-    original = host_tree.budget_tree
-    monkeypatch.setattr(block_module, "budget_tree", lambda *a: built.append(1) or original(*a))
+    built = _spy(monkeypatch, "budget_tree")
     priced = []
     original_prune = CostModel._prune_host
     monkeypatch.setattr(CostModel, "_prune_host", lambda self, *a: priced.append(1) or original_prune(self, *a))
@@ -224,9 +222,7 @@ def test_generate_builds_host_shape_trees_and_stays_exact(strategy, monkeypatch)
     target = build_model("llama")
     torch.manual_seed(3)
     drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, block_size=4)).eval()
-    built = []
-    original = host_tree.shape_tree
-    monkeypatch.setattr(block_module, "shape_tree", lambda *a: built.append(1) or original(*a))
+    built = _spy(monkeypatch, "shape_tree")
     inputs = make_inputs("llama", batch_size=1)
     expected = target.generate(**inputs, max_new_tokens=24, do_sample=False)
     out = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=drafter,
