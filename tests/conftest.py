@@ -5,6 +5,11 @@ import pytest
 
 # Triton kernels run on the CPU through the interpreter in tests; it must be set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests never follow the machine's timings: every call without a calibration of its own, in this process, in the
+# threads and module-scoped servers started before a test's own fixtures, and in the processes tests start
+# (servers, Ray Serve replicas, CLI runs), prices on a fixed flat curve; `measured_cost` tests lift it and run the
+# timed rule on a fake clock (`_fixed_cost_curve`).
+os.environ["HF_ADAPTIVE_SPEC_COST_PROFILE"] = "flat"
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import the tiny model factory as `tiny_models`
 
@@ -110,7 +115,7 @@ def _fixed_cost_curve(request, monkeypatch):
 
     monkeypatch.setattr(ModelRunner, "forward", charged_forward)
     monkeypatch.setattr(LaSpecDrafterModel, "forward_block", charged_block)
-    with clock.use_clock(fake):
+    with clock.use_clock(fake, threads=True):  # a serving engine's worker thread reads it too
         yield fake
 
 

@@ -247,6 +247,19 @@ def test_bad_requests_a_full_queue_and_a_stopped_engine_are_refused():
         engine.submit(Request(input_ids=[5, 6, 7]))
 
 
+def test_an_engine_without_a_calibration_prices_on_the_environments_fixed_curve(monkeypatch):
+    """An engine's own calibration keeps pause verdicts across batches and, like a `generate` call without one,
+    prices on the fixed curve `HF_ADAPTIVE_SPEC_COST_PROFILE` names (tests: flat, no timings followed)."""
+    target = build_model("llama")
+    drafter = _drafter("llama", target, "laspec")
+    fixed = Engine(target, drafter, strategy="laspec").calibration
+    assert fixed.keep_pauses and fixed.cost_profile is not None and fixed.cost_profile.seconds == [1.0, 1.0]
+    monkeypatch.delenv("HF_ADAPTIVE_SPEC_COST_PROFILE")
+    timed = Engine(target, drafter, strategy="laspec").calibration
+    assert timed.keep_pauses and timed.cost_profile is None
+
+
+@pytest.mark.measured_cost  # the timed cost rule, on the fake clock (the engine's worker thread reads it too)
 def test_the_pause_verdicts_outlive_the_batches(monkeypatch):
     """The engine keeps whether drafting pays at each batch size across its batches (`keep_pauses`): a verdict
     learned in one batch (timings injected: drafted rounds slower than root-only ones) pauses the next batch of
@@ -256,7 +269,7 @@ def test_the_pause_verdicts_outlive_the_batches(monkeypatch):
     target = build_model("llama")
     drafter = _drafter("llama", target, "laspec")
     engine = Engine(target, drafter, strategy="laspec", max_batch=2).start()
-    assert engine.calibration.keep_pauses
+    assert engine.calibration.keep_pauses and engine.calibration.cost_profile is None  # timed: no fixed curve set
     observed = cost_model.CostModel.observe_rate
     monkeypatch.setattr(cost_model.CostModel, "observe_rate",  # drafted: 2 s a token, root-only: 1 s
                         lambda self, drafted, seconds, tokens: observed(self, drafted, 2.0 if drafted else 1.0, 1))

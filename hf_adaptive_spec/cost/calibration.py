@@ -188,13 +188,13 @@ class SpecCalibration:
         self._pauses = weakref.WeakKeyDictionary()  # drafter module -> {strategy: {batch size: PauseState}}
 
     @classmethod
-    def from_env(cls) -> "SpecCalibration | None":
+    def from_env(cls, keep_pauses: bool = False) -> "SpecCalibration | None":
         """The fixed-curve calibration `HF_ADAPTIVE_SPEC_COST_PROFILE` asks for (a fresh one per call), or None."""
         value = os.environ.get(ENV_COST_PROFILE, "").strip()
         if not value:
             return None
         if value == "flat":
-            return cls(CostProfile(sizes=[1, 256], seconds=[1.0, 1.0]))
+            return cls(CostProfile(sizes=[1, 256], seconds=[1.0, 1.0]), keep_pauses=keep_pauses)
         try:
             data = json.loads(Path(value).expanduser().read_text())
             profile = CostProfile(sizes=list(data["sizes"]), seconds=list(data["seconds"]),
@@ -202,7 +202,7 @@ class SpecCalibration:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{ENV_COST_PROFILE}={value!r} is neither 'flat' nor a readable JSON file "
                              f"with 'sizes' and 'seconds': {exc}") from exc
-        return cls(profile)
+        return cls(profile, keep_pauses=keep_pauses)
 
     def get(self, drafter, setting: str, device) -> Calibration:
         """The `Calibration` of `drafter` (a module) in `setting`, made on first use."""

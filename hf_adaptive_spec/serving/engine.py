@@ -46,6 +46,12 @@ from ..decoding.request import resolve_request
 __all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "RequestHandle"]
 
 
+def _default_calibration() -> SpecCalibration:
+    """An engine's own calibration: whether drafting pays at each batch size is kept across its batches
+    (`keep_pauses`); the fixed curve `HF_ADAPTIVE_SPEC_COST_PROFILE` names, when set, as for `generate` calls."""
+    return SpecCalibration.from_env(keep_pauses=True) or SpecCalibration(keep_pauses=True)
+
+
 class QueueFull(RuntimeError):
     """The engine's waiting queue is full (a server answers 429)."""
 
@@ -202,8 +208,7 @@ class Engine:
         # what each round verifies and how it runs, resolved and checked once for every request
         self.spec = resolve_request(model, strategy, spec_config=spec_config, spec_runtime=spec_runtime,
                                     assistant_model=drafter, light_trace=True,
-                                    calibration=calibration if calibration is not None
-                                    else SpecCalibration(keep_pauses=True))
+                                    calibration=calibration if calibration is not None else _default_calibration())
         if self.spec.config.independent_drafter_options().get("visual_selection") == "round":
             raise ValueError("spec_config visual_selection='round' re-picks a drafter's visual tokens from the rows' "
                              "own queries every round, which rows joining a running batch cannot share yet; serve "
