@@ -86,8 +86,11 @@ def test_threads_share_a_target_and_drafters():
             for inputs, plain in zip(prompts, expected):
                 out = target.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=assistant,
                                       spec_strategy=strategy)
-                if not torch.equal(out, plain):
-                    wrong.append((index, strategy))
+                if not torch.equal(out, plain):  # what differs, for the report: the first position and both tails
+                    length = min(out.shape[1], plain.shape[1])
+                    differ = (out[0, :length] != plain[0, :length]).nonzero()
+                    first = int(differ[0]) if len(differ) else length
+                    wrong.append((index, strategy, first, out[0, first:].tolist(), plain[0, first:].tolist()))
 
     _run_threads(work, 3)
     assert not wrong
