@@ -11,6 +11,13 @@ tokenized and repeated up to the length), greedy, and every speculative output i
 The workers run with `MALLOC_MMAP_THRESHOLD_=65536`: glibc then maps every tensor of 64 KiB or more on its own
 and returns it on free, so the resident peak is the peak of live tensors, not of what malloc kept cached
 (without it, the same plain call measured 139 and 185 MiB in two processes).
+
+Each speculative record also has the peak within each phase of the call (`PHASES`: prefill, start_rounds with
+the cost curve and planner, the first round, the other rounds), so an excess shows where it is made, and every
+record the peak after the prefill (`decode_peak_growth_bytes`: plain's decoding steps, a speculative call's
+rounds), which a long prompt's prefill does not hide. `--memory-cold` skips the short call: the measured call
+is then the first of its process (nothing of this library cached in memory yet, its one-off allocations inside
+the call), for plain as for every strategy.
 """
 
 from __future__ import annotations
@@ -29,12 +36,16 @@ DEFAULT_PROMPTS = (2048, 8192, 16384)
 
 
 def add_arguments(parser) -> None:
-    group = parser.add_argument_group("memory (hf_adaptive_spec.bench.memory: peak memory per method, one process each)")
+    group = parser.add_argument_group(
+        "memory (hf_adaptive_spec.bench.memory: peak memory per method, one process each)")
     group.add_argument("--memory", action="store_true",
                        help="report the peak memory of plain generate and of each strategy on long prompts instead "
                        "of timing them (--drafter untrained-laspec: a fresh LaSpec drafter for any target)")
     group.add_argument("--memory-prompts", nargs="+", type=int, default=list(DEFAULT_PROMPTS), metavar="TOKENS",
                        help=f"prompt lengths in tokens (default {' '.join(map(str, DEFAULT_PROMPTS))})")
+    group.add_argument("--memory-cold", action="store_true",
+                       help="measure the first call of each fresh process (no short call before it: the cost curve "
+                       "not yet in memory, one-off allocations inside the measured call)")
 
 
 def _status_kib(field: str) -> int:
@@ -55,6 +66,61 @@ def _long_prompt(tokenizer, length: int):
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     repeats = -(-length // ids.shape[0])
     return torch.cat([ids] * repeats)[:length][None, :]
+
+
+# the phases of a speculative call whose peaks are reported (`Decoding` methods, in the order they run)
+PHASES = ("prefill", "start_rounds", "first_round", "rounds")
+
+
+class _Segments:
+    """The peak of each part of one call in this process, the peak counter reset between parts: a speculative
+    call's `PHASES` (prefill: the target's and the drafter's; start_rounds: strategy, cost curve, planner; the
+    first round; the other rounds), plain's prefill (its target's first forward) and decoding; the part before
+    and after them is "rest". `peaks[name]` is the highest reading of `read()` within a part of that name."""
+
+    def __init__(self, target, read, reset):
+        self.target, self.read, self.reset = target, read, reset
+        self.peaks, self.rounds, self.speculative = {}, 0, False
+
+    def close_part(self, name: str) -> None:
+        self.peaks[name] = max(self.peaks.get(name, 0), self.read())
+        self.reset()
+
+    def __enter__(self):
+        from ..decoding import loop
+
+        self.loop = loop
+        self.saved = {name: getattr(loop.Decoding, name) for name in ("prefill", "start_rounds", "step")}
+        self.close_part("rest")
+
+        def marked(name, original):
+            def method(run, *args, **kwargs):
+                self.speculative = True
+                self.close_part("rest")  # what ran since the last part (generate's own work between them)
+                out = original(run, *args, **kwargs)
+                if name == "step":
+                    self.rounds += 1
+                self.close_part("first_round" if name == "step" and self.rounds == 1 else
+                                "rounds" if name == "step" else name)
+                return out
+            return method
+
+        for name, original in self.saved.items():
+            setattr(loop.Decoding, name, marked(name, original))
+
+        def first_forward(module, args, output):  # plain generate: its prefill is the target's first forward
+            self.hook.remove()  # before a speculative call's runners look for hooks (`adapters.lean`)
+            if not self.speculative:
+                self.close_part("plain_prefill")
+
+        self.hook = self.target.register_forward_hook(first_forward)
+        return self
+
+    def __exit__(self, *exc):
+        self.hook.remove()
+        self.close_part("rest")
+        for name, original in self.saved.items():
+            setattr(self.loop.Decoding, name, original)
 
 
 def _load(spec: dict):
@@ -91,25 +157,55 @@ def _worker(spec: dict) -> dict:
                   max_new_tokens=spec["max_new_tokens"], pad_token_id=tokenizer.pad_token_id or 0)
     if spec["method"] != "plain":
         kwargs.update(assistant_model=drafter, spec_strategy=spec["method"])
-    with torch.no_grad():  # one short call first: weights paged in, one-off allocations (kernels, pools) made
-        target.generate(**{**kwargs, "input_ids": input_ids[:, :16], "attention_mask": kwargs["attention_mask"][:, :16],
-                           "max_new_tokens": 4})
+    record = measure_call(target, kwargs, device, cold=bool(spec.get("cold")))
+    out = record.pop("output")
+    return {"method": spec["method"], "prompt_tokens": spec["prompt_tokens"], **record,
+            "new_tokens": int(out.shape[1] - input_ids.shape[1]), "tokens": out[0, input_ids.shape[1]:].tolist()}
+
+
+def measure_call(target, kwargs: dict, device, cold: bool = False) -> dict:
+    """Peak growth of one `target.generate(**kwargs)` over what the process held before it (after a short call
+    of the same kind unless `cold`): `peak_growth_bytes`, `phase_peak_growth_bytes` (speculative calls: the peak
+    within each of `PHASES`), `decode_peak_growth_bytes` (the peak after the prefill: plain's decoding steps, a
+    speculative call's rounds), `measure`, `cold` and the `output`."""
+    import torch
+
+    device = torch.device(device)
+    input_ids = kwargs["input_ids"]
+    if not cold:
+        with torch.no_grad():  # one short call first: weights paged in, one-off allocations (kernels, pools) made
+            target.generate(**{**kwargs, "input_ids": input_ids[:, :16],
+                               "attention_mask": kwargs["attention_mask"][:, :16], "max_new_tokens": 4})
     if device.type == "cuda":
+        def peak():
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device)
+
+        def reset():
+            torch.cuda.reset_peak_memory_stats(device)
+
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        reset()
         before = torch.cuda.memory_allocated(device)
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # the peak resident set starts again from here
+        def peak():
+            return _status_kib("VmHWM") * 1024
+
+        def reset():
+            Path("/proc/self/clear_refs").write_text("5")  # the peak resident set starts again from here
+
+        reset()
         before = _status_kib("VmRSS") * 1024
     with torch.no_grad():
-        out = target.generate(**kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = _status_kib("VmHWM") * 1024
-    return {"method": spec["method"], "prompt_tokens": spec["prompt_tokens"], "peak_growth_bytes": peak - before,
-            "new_tokens": int(out.shape[1] - input_ids.shape[1]), "tokens": out[0, input_ids.shape[1]:].tolist(),
+        with _Segments(target, peak, reset) as parts:
+            out = target.generate(**kwargs)
+    peaks = {name: value - before for name, value in parts.peaks.items()}
+    after_prefill = [peaks[name] for name in ("start_rounds", "first_round", "rounds") if name in peaks]
+    if "plain_prefill" in peaks:  # plain generate: its decoding steps are all that ran after the prefill
+        after_prefill = [peaks["rest"]]
+    return {"peak_growth_bytes": max(peaks.values()), "cold": cold, "output": out,
+            "phase_peak_growth_bytes": {name: peaks[name] for name in PHASES if name in peaks},
+            "decode_peak_growth_bytes": max(after_prefill) if after_prefill else None,
             "measure": "cuda max_memory_allocated" if device.type == "cuda" else "peak RSS (VmHWM)"}
 
 
@@ -146,7 +242,7 @@ def run_memory(args) -> dict:
         for method in _methods(args):
             spec = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype, "device": device,
                     "method": method, "prompt_tokens": length, "max_new_tokens": args.max_new_tokens,
-                    "threads": args.threads}
+                    "threads": args.threads, "cold": bool(getattr(args, "memory_cold", False))}
             done = subprocess.run([sys.executable, "-m", "hf_adaptive_spec.bench.memory", json.dumps(spec)],
                                   capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
             if done.returncode != 0:
@@ -168,16 +264,22 @@ def run_memory(args) -> dict:
               "max_new_tokens": args.max_new_tokens, "records": records}
     (out / "memory.json").write_text(json.dumps(result, indent=1))
     print("\n" + memory_table(records))
+    print("\n" + phase_table(records))
     failed = any("error" in r or not r.get("matches_plain", True) for r in records)
     result["exit_code"] = 1 if failed else 0
     return result
 
 
-def _plain_growth(records: list, length: int):
+def _plain_record(records: list, length: int) -> dict | None:
     for record in records:
         if record["method"] == "plain" and record["prompt_tokens"] == length and "error" not in record:
-            return record["peak_growth_bytes"]
+            return record
     return None
+
+
+def _plain_growth(records: list, length: int):
+    record = _plain_record(records, length)
+    return record["peak_growth_bytes"] if record is not None else None
 
 
 def _row(record: dict, records: list) -> str:
@@ -185,8 +287,11 @@ def _row(record: dict, records: list) -> str:
         return f"{record['method']:>12} {record['prompt_tokens']:>6} tokens: failed: {record['error'][-300:]}"
     plain = _plain_growth(records, record["prompt_tokens"])
     ratio = f" ({record['peak_growth_bytes'] / plain:.2f}x plain)" if plain else ""
+    phases = ", ".join(f"{name} {value / 2**20:.0f}"
+                       for name, value in record.get("phase_peak_growth_bytes", {}).items())
     return (f"{record['method']:>12} {record['prompt_tokens']:>6} tokens: peak growth "
-            f"{record['peak_growth_bytes'] / 2**20:.1f} MiB{ratio}, same output: {record['matches_plain']}")
+            f"{record['peak_growth_bytes'] / 2**20:.1f} MiB{ratio}, same output: {record['matches_plain']}"
+            + (f" (peak after {phases} MiB)" if phases else ""))
 
 
 def memory_table(records: list) -> str:
@@ -208,6 +313,27 @@ def memory_table(records: list) -> str:
             mark = "" if record.get("matches_plain", True) else " (output differs)"
             cells += [f"{growth / 2**20:.0f}{mark}", f"{growth / plain:.2f}x" if plain else ""]
         rows.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def phase_table(records: list) -> str:
+    """Markdown: the peak growth (MiB) within each phase of each speculative call (`PHASES`), its whole call's and
+    plain's beside it, and the peaks after the prefill (its rounds', plain's decoding steps')."""
+    head = "| method | tokens | " + " | ".join(PHASES) + " | whole call | plain's call | after prefill | plain's |"
+    rows = [head, "|---|---:|" + "---:|" * (len(PHASES) + 4)]
+    for record in records:
+        phases = record.get("phase_peak_growth_bytes")
+        if "error" in record or not phases:
+            continue
+        plain = _plain_record(records, record["prompt_tokens"]) or {}
+
+        def mib(value):
+            return f"{value / 2**20:.0f}" if value is not None else ""
+
+        cells = [mib(phases.get(name)) for name in PHASES]
+        cells += [mib(record["peak_growth_bytes"]), mib(plain.get("peak_growth_bytes")),
+                  mib(record.get("decode_peak_growth_bytes")), mib(plain.get("decode_peak_growth_bytes"))]
+        rows.append(f"| {record['method']} | {record['prompt_tokens']} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
