@@ -257,3 +257,48 @@ def test_a_clock_for_threads_reaches_the_threads_without_one_of_their_own():
     with pytest.raises(TypeError, match="threads"):
         with clock.use_clock(lambda: 1.0, threads=1):
             pass
+
+
+@pytest.mark.parametrize("strategy", ["chain", "sage", "laspec"])
+def test_another_threads_forward_between_a_calls_setup_and_its_prefill(strategy, monkeypatch):
+    """The interleaving behind a wrong answer seen under load (2026-12-07): a call registers its recorders on
+    the shared target (the prefill's position ids, a LaSpec drafter's hidden states), then, before its own
+    prefill forward runs, another thread runs a forward of the same target at other positions (another call's
+    prefill or verification). Forced here: the call waits at its prefill until the other forward is done. Its
+    recorders must see its own forward only; the output equals plain greedy, and the other thread's forward
+    its own stock result."""
+    target, prompts, expected, plans = _setup()
+    assistant = next(plan[1] for plan in plans if plan[0] == strategy)
+    other = torch.arange(40, 49)[None]  # another prompt's tokens, at positions 20-28
+    positions = torch.arange(20, 29)[None]
+    with torch.no_grad():
+        alone = target(input_ids=other, position_ids=positions).logits
+    ready, went = threading.Event(), threading.Event()
+    prefill = type(target)._prefill
+
+    def held_prefill(self, *args, **kwargs):
+        if threading.current_thread().name == "speculative":
+            ready.set()
+            assert went.wait(60)
+        return prefill(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "_prefill", held_prefill)
+    out = {}
+
+    def speculate():
+        out["tokens"] = target.generate(**prompts[0], max_new_tokens=MAX_NEW, do_sample=False,
+                                        assistant_model=assistant, spec_strategy=strategy)
+
+    def other_forward():
+        assert ready.wait(60)
+        with torch.no_grad():
+            out["other"] = target(input_ids=other, position_ids=positions).logits
+        went.set()
+
+    threads = [threading.Thread(target=speculate, name="speculative"), threading.Thread(target=other_forward)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert torch.equal(out["tokens"], expected[0])
+    assert torch.equal(out["other"], alone)

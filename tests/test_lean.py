@@ -11,6 +11,7 @@ from hf_adaptive_spec import ops
 from hf_adaptive_spec.adapters import lean
 from hf_adaptive_spec.adapters.attention import tree_attention
 from hf_adaptive_spec.adapters.lean import LeanForward, lean_forward, use_lean_forward
+from hf_adaptive_spec.adapters.target_states import thread_confined
 from hf_adaptive_spec.ops import cpu_linear
 from tiny_models import VOCAB_SIZE, build_drafter, build_model, make_inputs
 
@@ -91,6 +92,10 @@ def test_lean_forward_declines_what_it_was_not_checked_on(monkeypatch):
     model.eval()
     handle = model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
     assert "hooks" in lean._unsupported(model)
+    handle.remove()
+    # this library's recorders of another thread's call (a shared target) never act here: not foreign
+    handle = model.model.layers[1].register_forward_hook(thread_confined(lambda *args: None))
+    assert lean._unsupported(model) is None
     handle.remove()
     handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
     assert "global" in lean._unsupported(model)

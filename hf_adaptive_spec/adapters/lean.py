@@ -37,6 +37,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import CAPTURE_ATTENTION, TREE_SDPA
+from .target_states import is_thread_confined
 from ..ops import scoped
 
 __all__ = ["lean_forward", "use_lean_forward", "LeanForward"]
@@ -83,8 +84,9 @@ def use_lean_forward(on: bool):
 
 def _foreign(hook) -> bool:
     """False for transformers' own output-recording hooks (they record only inside its forward, which
-    the lean forward replaces whole), True for any other hook."""
-    return getattr(hook, "__module__", None) != "transformers.utils.output_capturing"
+    the lean forward replaces whole) and for this library's thread-confined recorders (another thread's call
+    registered them: they never act in this one), True for any other hook."""
+    return getattr(hook, "__module__", None) != "transformers.utils.output_capturing" and not is_thread_confined(hook)
 
 
 def _own(function, modeling, cls) -> bool:

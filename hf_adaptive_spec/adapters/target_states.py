@@ -5,17 +5,43 @@ long prompt that is `(num_layers + 1) x B x S x hidden` at once, where a LaSpec 
 `StateCapture` records only the entries it is asked for, numbered as `outputs.hidden_states` numbers them
 (0: the first decoder layer's input, l + 1: layer l's output, the last entry after the final norm), through
 forward hooks on the decoder's layers that record in the capturing thread only.
+
+Every hook this library puts on a model that a user may share between threads (the target) is
+`thread_confined`: it records only the forwards of the thread that registered it and returns None (it changes
+nothing), and the lean forward of another thread's call does not count it as a foreign hook.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 
 from torch import nn
 
 from .model_config import text_config
 
-__all__ = ["StateCapture", "decoder_layers"]
+__all__ = ["StateCapture", "decoder_layers", "is_thread_confined", "thread_confined"]
+
+_CONFINED = "_hf_adaptive_spec_thread_confined"
+
+
+def thread_confined(hook):
+    """`hook` (a module hook that records and returns None) acting in the calling thread only: the forwards that
+    other threads run on the same module meanwhile neither reach it nor see it (`is_thread_confined`)."""
+    owner = threading.get_ident()
+
+    @functools.wraps(hook)
+    def confined(*args, **kwargs):
+        if threading.get_ident() == owner:
+            hook(*args, **kwargs)
+
+    setattr(confined, _CONFINED, True)
+    return confined
+
+
+def is_thread_confined(hook) -> bool:
+    """Whether `hook` was made by `thread_confined`."""
+    return getattr(hook, _CONFINED, False) is True
 
 
 def decoder_layers(model):
@@ -54,7 +80,6 @@ class StateCapture:
         self.indices = sorted(set(indices))
         self.states = {}
         self._handles = []
-        self._thread = None
 
     @classmethod
     def for_model(cls, model, indices, consume=None) -> "StateCapture | None":
@@ -70,32 +95,30 @@ class StateCapture:
         return cls(layers, norm, indices, consume)
 
     def _record(self, index: int, value) -> None:
-        if threading.get_ident() == self._thread:
-            value = value[0] if isinstance(value, tuple) else value
-            if self.consume is not None:
-                self.consume(index, value)
-            else:
-                self.states[index] = value
+        value = value[0] if isinstance(value, tuple) else value
+        if self.consume is not None:
+            self.consume(index, value)
+        else:
+            self.states[index] = value
 
     def __enter__(self) -> "StateCapture":
         self.states = {}
-        self._thread = threading.get_ident()
         last = len(self.layers)
         for index in self.indices:
             if index == 0:
                 def first_input(module, args, kwargs):
                     self._record(0, args[0] if args else kwargs["hidden_states"])
-                self._handles.append(self.layers[0].register_forward_pre_hook(first_input, with_kwargs=True))
+                self._handles.append(self.layers[0].register_forward_pre_hook(thread_confined(first_input),
+                                                                              with_kwargs=True))
             else:
                 module = self.norm if index == last else self.layers[index - 1]
 
                 def output(module, args, result, index=index):
                     self._record(index, result)
-                self._handles.append(module.register_forward_hook(output))
+                self._handles.append(module.register_forward_hook(thread_confined(output)))
         return self
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._thread = None

@@ -87,6 +87,7 @@ class _Segments:
         self.reset()
 
     def __enter__(self):
+        from ..adapters.target_states import thread_confined
         from ..decoding import loop
 
         self.loop = loop
@@ -113,7 +114,7 @@ class _Segments:
             if not self.speculative:
                 self.close_part("plain_prefill")
 
-        self.hook = self.target.register_forward_hook(first_forward)
+        self.hook = self.target.register_forward_hook(thread_confined(first_forward))
         return self
 
     def __exit__(self, *exc):

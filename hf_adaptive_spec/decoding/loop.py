@@ -33,7 +33,7 @@ from ..adapters.placement import execution_device, tensor_parallel
 from .processors import RowProcessors, SequenceBuffer, StopChecker, row_free
 from .retire import RetiredRows
 from ..adapters.runner import ModelRunner
-from ..adapters.target_states import StateCapture
+from ..adapters.target_states import StateCapture, thread_confined
 from .randomness import RowRandom
 from .request import SpecRequest
 from ..runtime import RuntimeConfig
@@ -561,14 +561,17 @@ class _Accepted:
 @contextlib.contextmanager
 def _prefill_positions(model):
     """Records the position ids the model's forward receives in the prefill: `prepare_inputs_for_generation`
-    may shift those `generate` prepared (PaliGemma counts from 1), and rounds must continue the same way."""
+    may shift those `generate` prepared (PaliGemma counts from 1), and rounds must continue the same way.
+
+    The hook sees this thread's forwards only (`thread_confined`): a target shared between threads runs other
+    calls' prefills and verifications meanwhile, whose positions are not this prompt's."""
     used = {}
 
     def record(module, args, kwargs):
         if "position_ids" not in used and kwargs.get("position_ids") is not None:
             used["position_ids"] = kwargs["position_ids"]
 
-    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    handle = model.register_forward_pre_hook(thread_confined(record), with_kwargs=True)
     try:
         yield used
     finally:
