@@ -10,6 +10,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # (servers, Ray Serve replicas, CLI runs), prices on a fixed flat curve; `measured_cost` tests lift it and run the
 # timed rule on a fake clock (`_fixed_cost_curve`).
 os.environ["HF_ADAPTIVE_SPEC_COST_PROFILE"] = "flat"
+# Ray Serve kills a proxy that has not answered its readiness check within 5 s or a health check within 10 s;
+# beside a CPU-heavy process a fresh proxy (importing Serve, FastAPI, uvicorn) can take longer to start
+# (2026-12-07: every Ray Serve test errored at setup). The tests bound their own waits instead.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "120")
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import the tiny model factory as `tiny_models`
 
