@@ -75,6 +75,12 @@ def test_memory_and_cold_kinds_are_the_modes_own_tables():
                            "matches_plain": True}]}
     assert bench_docs.render_table(memory, "memory") == [
         "| method | 8 tokens: MiB | vs plain |", "|---|---:|---:|", "| plain | 1 | 1.00x |", "| sage | 3 | 3.00x |"]
+    memory["records"][0]["decode_peak_growth_bytes"] = 2 ** 19
+    memory["records"][1].update(decode_peak_growth_bytes=2 * 2 ** 20, phase_peak_growth_bytes={
+        "prefill": 3 * 2 ** 20, "start_rounds": 2 ** 20, "first_round": 2 * 2 ** 20, "rounds": 2 * 2 ** 20})
+    assert bench_docs.render_table(memory, "memory", "phases")[2] == "| sage | 8 | 3 | 1 | 2 | 2 | 3 | 1 | 2 | 0 |"
+    with pytest.raises(ValueError, match="phases"):
+        bench_docs.render_table(memory, "memory", "steps")
     calls = [{"call": name, "seconds": seconds, "time_setup": 0.01} for name, seconds in
              [("plain 1", 4.0), ("s 1", 2.0), ("s 2", 1.5), ("s 3", 1.0), ("plain 2", 3.0), ("s warmed", 1.0)]]
     cold = {"records": [{"strategy": "s", "calls": calls, "first_vs_plain": 1.5, "first_vs_first_plain": 2.0,

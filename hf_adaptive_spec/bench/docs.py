@@ -11,7 +11,8 @@ Kinds: ``methods [DATASET]`` (the method table of one data set, or of all), ``ca
 plain per category), ``grounded DATASET`` (grounded-token acceptance) and ``sweep`` (the visual-token sweep):
 the same tables the bench writes in its ``results.md``; from a ``--load-sweep``'s ``load_sweep.json``,
 ``load throughput``, ``load tau`` and ``load sizes`` (the tables of its ``load_sweep.md``), and from an
-``--arrivals`` run's ``arrivals.json``, ``arrivals``; from a ``--memory`` run's ``memory.json``, ``memory``, and
+``--arrivals`` run's ``arrivals.json``, ``arrivals``; from a ``--memory`` run's ``memory.json``, ``memory`` (and
+``memory phases``: the peak within each phase of the speculative calls, and after the prefill), and
 from a ``--cold`` run's ``cold.json``, ``cold`` (the tables those modes print). Everything between the markers
 is replaced; the prose around them is the author's.
 
@@ -69,7 +70,7 @@ from . import vision as bench_vision
 from .cold import cold_table
 from .concurrency_report import arrivals_table, sweep_tables
 from .docs_rows import headline_table, rows_table
-from .memory import memory_table
+from .memory import memory_table, phase_table
 from .report import category_table, method_table
 
 __all__ = ["refresh", "render_table"]
@@ -84,7 +85,9 @@ def render_table(results: dict, kind: str, dataset: str | None = None, *argument
     if arguments:
         raise ValueError(f"the {kind!r} table takes at most one argument, got {[dataset, *arguments]}.")
     if kind == "memory":
-        return memory_table(results["records"]).split("\n")
+        if dataset not in (None, "phases"):
+            raise ValueError(f"the memory table takes no argument or 'phases', got {dataset!r}.")
+        return (phase_table if dataset == "phases" else memory_table)(results["records"]).split("\n")
     if kind == "cold":
         return cold_table(results).rstrip("\n").split("\n")
     if kind == "arrivals":
@@ -108,7 +111,8 @@ def render_table(results: dict, kind: str, dataset: str | None = None, *argument
             raise ValueError("the results hold no visual-token sweep (bench --visual-tokens).")
         return bench_vision.sweep_table(results["visual_sweep"], aggregates.get("overall"))
     raise ValueError(f"unknown table {kind!r}{' ' + dataset if dataset else ''}: valid are methods [DATASET], "
-                     "categories DATASET, grounded DATASET, sweep, load throughput|tau|sizes, arrivals, memory, cold, rows.")
+                     "categories DATASET, grounded DATASET, sweep, load throughput|tau|sizes, arrivals, memory [phases], cold, "
+                     "rows.")
 
 
 def refresh(path, check: bool = False) -> list:
