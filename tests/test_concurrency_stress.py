@@ -28,6 +28,7 @@ from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel, SpecCalibr
 from hf_adaptive_spec.adapters.runner import ModelRunner
 from hf_adaptive_spec.cost import CostProfile
 from hf_adaptive_spec.decoding import loop
+from thread_helpers import run_threads
 from tiny_models import build_drafter, build_model, make_inputs
 
 MAX_NEW = 16
@@ -120,24 +121,6 @@ def _call(target, prompt, plan, calibration):
     return target.generate(**prompt, **kwargs)
 
 
-def _run_threads(work, count: int) -> None:
-    errors = []
-
-    def guarded(index):
-        try:
-            work(index)
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=guarded, args=(index,)) for index in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_concurrent_calls_with_changing_timings_are_exact(seed, charged_forwards, often_switching):
     """4 threads x 17 calls per seed (204 calls over the three seeds): a random plan (strategy, drafter,
@@ -165,7 +148,7 @@ def test_concurrent_calls_with_changing_timings_are_exact(seed, charged_forwards
                 if not torch.equal(out, expected[p]):
                     wrong.append((index, call, plan[0], type(plan[1]).__name__, plan[2], kind, p))
 
-    _run_threads(work, threads)
+    run_threads(work, threads)
     assert len(done) == threads * calls
     assert not wrong
     assert shared.settings()  # the shared calibration was learned by (and read by) concurrent calls
@@ -239,7 +222,7 @@ def test_forced_interleavings_of_rounds_are_exact(seed, charged_forwards, often_
         finally:
             turnstile.done(index)
 
-    _run_threads(work, threads)
+    run_threads(work, threads)
     assert not wrong
 
 

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
 from hf_adaptive_spec.ops import cpu_linear
+from thread_helpers import run_threads
 from tiny_models import build_drafter, build_model, make_inputs
 
 MAX_NEW = 16
@@ -54,24 +55,6 @@ def test_inference_mode_then_other_modes(gqa):
             assert torch.equal(out, expected), (strategy, mode)
 
 
-def _run_threads(work, count):
-    errors = []
-
-    def guarded(index):
-        try:
-            work(index)
-        except BaseException as error:  # reported to the test below
-            errors.append(error)
-
-    threads = [threading.Thread(target=guarded, args=(index,)) for index in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-
-
 def test_threads_share_a_target_and_drafters():
     target = build_model("llama")
     drafter, block = build_drafter("llama", target, "small"), _laspec(target)
@@ -92,7 +75,7 @@ def test_threads_share_a_target_and_drafters():
                     first = int(differ[0]) if len(differ) else length
                     wrong.append((index, strategy, first, out[0, first:].tolist(), plain[0, first:].tolist()))
 
-    _run_threads(work, 3)
+    run_threads(work, 3)
     assert not wrong
     assert target.config._attn_implementation == "sdpa"
     assert not any("forward" in module.__dict__ for module in (*target.modules(), *drafter.modules()))
