@@ -734,3 +734,26 @@ def test_bench_docs_renders_the_arrivals_table():
     page = bench_concurrency.arrivals_markdown(results)
     assert table in page and "p90 by nearest rank" in page  # a file that names no percentile rule
     assert table.startswith("| method | mean latency s |") and "| laspec | 10.486 |" in table
+
+
+@pytest.mark.parametrize("kind, strategy", [("spec", "sage"), ("spec", "chain"), ("plain_mode", "plain")])
+def test_a_timed_library_call_runs_the_forward_users_get(kind, strategy, monkeypatch):
+    """The bench times a library call as a user's runs: no hook on the target (one would turn the rounds' lean
+    forward off); its target forwards come from the call's own count (`SpecStats.target_forwards`), as many as
+    a hook counts for plain generate's steps."""
+    from hf_adaptive_spec.adapters import lean
+    from hf_adaptive_spec.bench import methods as bench_methods
+
+    target = build_model("llama")
+    drafter = build_drafter("llama", target, "small")
+    inputs = {"input_ids": torch.tensor([[9, 30, 31, 32, 40]]),
+              "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    lean_calls = []
+    call = lean.LeanForward.__call__
+    monkeypatch.setattr(lean.LeanForward, "__call__",
+                        lambda self, *args, **kwargs: lean_calls.append(self.model) or call(self, *args, **kwargs))
+    run = bench_methods.run_method(bench_methods.Method(strategy, kind), target, drafter, inputs, MAX_NEW)
+    assert run.target_forwards == run.stats.target_forwards == run.stats.rounds + 1
+    assert sum(model is target for model in lean_calls) == run.stats.rounds  # every round's verification
+    plain = bench_methods.run_method(bench_methods.Method("plain", "plain"), target, drafter, inputs, MAX_NEW)
+    assert plain.tokens == run.tokens and plain.target_forwards == len(plain.tokens)
