@@ -109,13 +109,28 @@ def cluster(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
-        ray_app.start_serve("127.0.0.1", port)
+        from ray.serve._private import api as serve_api  # Serve's own wait for its proxy (60 s), shortened here
+
+        # so the fixture always takes the path of a proxy slower than Serve waits for (beside a CPU-heavy process
+        # a fresh proxy took over 60 s: every test here errored at setup): `start_serve` connects again
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(serve_api, "HTTP_PROXY_TIMEOUT", 0.5)
+            ray_app.start_serve("127.0.0.1", port)
         app = ray_app.build_app({"target": target, "drafter": drafter, "strategy": "chain", "drafter_int8": "false",
                                  "threads": "1", "max_batch": str(MAX_BATCH), "max_queue": str(MAX_QUEUE),
                                  "served_model_name": MODEL, "replicas": "2", "num_cpus": "0.5",
                                  "drain_timeout": "60", "api_key": KEY})
         serve.run(app, name=ray_app.APP_NAME, route_prefix="/")
-        yield Cluster(f"http://127.0.0.1:{port}", Reference())
+        url = f"http://127.0.0.1:{port}"
+
+        def proxy_up():
+            try:
+                return httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(proxy_up, "Serve's proxy to answer", timeout=600, interval=0.5)
+        yield Cluster(url, Reference())
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -297,7 +312,7 @@ def test_serve_command_with_replicas_drains_at_sigterm(tmp_path):
             except httpx.HTTPError:
                 return False
 
-        wait_for(healthy, "the replica to serve", interval=0.5)
+        wait_for(healthy, "the replica to serve", timeout=600, interval=0.5)  # Ray, Serve, a replica: a busy machine
         answer = _openai_client(cluster.url).chat.completions.create(model=MODEL, messages=_messages(PROMPTS[1]),
                                                                      max_tokens=12)
         assert answer.choices[0].message.content == reference.answer(PROMPTS[1], 12)[0]

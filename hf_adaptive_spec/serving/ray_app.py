@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -39,6 +40,8 @@ from starlette.middleware import Middleware
 from .server import (API_KEY_ENV, MAX_BODY_BYTES, create_app, error_kind, error_response, sse_error,
                      warn_if_exposed)
 from .served_model import ServedModel
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["APP_NAME", "PROXY_CALLBACK", "EngineReplica", "ReplicaFailureMiddleware", "application", "build_app",
            "deployment_options", "proxy_middlewares", "run", "start_serve"]
@@ -256,9 +259,19 @@ def proxy_middlewares() -> list:
 
 def start_serve(host: str = "127.0.0.1", port: int = 8000):
     """``serve.start`` with the proxy on `host`:`port` and `ReplicaFailureMiddleware` in it (through the
-    controller's environment, `PROXY_CALLBACK`). A cluster whose Serve runs already keeps its own settings."""
-    return serve.start(http_options={"host": host, "port": port},
-                       controller_options={"runtime_env": {"env_vars": dict(PROXY_CALLBACK)}})
+    controller's environment, `PROXY_CALLBACK`). A cluster whose Serve runs already keeps its own settings.
+
+    Serve waits 60 s for its proxy to be ready, then raises; on a busy machine the proxy's process (which
+    imports this package, torch and transformers for the middleware) can take longer. The controller keeps
+    starting it: the second call connects to that controller, and the proxy serves once it is up (probe
+    ``/health``)."""
+    options = {"http_options": {"host": host, "port": port},
+               "controller_options": {"runtime_env": {"env_vars": dict(PROXY_CALLBACK)}}}
+    try:
+        return serve.start(**options)
+    except TimeoutError as error:
+        logger.warning("hf_adaptive_spec: Serve's proxy is slow to start (%s); it goes on starting", error)
+        return serve.start(**options)
 
 
 def deployment_options(model: ServedModel, replicas: int = 1, min_replicas: Optional[int] = None,
