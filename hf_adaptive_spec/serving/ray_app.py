@@ -257,16 +257,30 @@ def proxy_middlewares() -> list:
     return [Middleware(ReplicaFailureMiddleware)]
 
 
+#: Serve's controller gives a proxy this long to answer its readiness and health checks (its defaults: 5 s and
+#: 10 s) unless the environment says otherwise: the proxy imports this package, torch and transformers for the
+#: middleware, and beside a CPU-heavy process its checks took longer than 5 s; the controller then killed
+#: the proxy and started it again, over and over, and the serve command gave up (2026-12-07, AMD EPYC, 2 cores)
+PROXY_CHECK_TIMEOUTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "120"}
+
+
+def controller_env() -> dict:
+    """The environment `start_serve` gives Serve's controller: `PROXY_CALLBACK`, and `PROXY_CHECK_TIMEOUTS` where
+    this process's environment sets none."""
+    timeouts = {name: os.environ.get(name, value) for name, value in PROXY_CHECK_TIMEOUTS.items()}
+    return {**timeouts, **PROXY_CALLBACK}
+
+
 def start_serve(host: str = "127.0.0.1", port: int = 8000):
     """``serve.start`` with the proxy on `host`:`port` and `ReplicaFailureMiddleware` in it (through the
-    controller's environment, `PROXY_CALLBACK`). A cluster whose Serve runs already keeps its own settings.
+    controller's environment, `controller_env`: with time for a slow proxy's checks). A cluster whose Serve runs already keeps its own settings.
 
     Serve waits 60 s for its proxy to be ready, then raises; on a busy machine the proxy's process (which
     imports this package, torch and transformers for the middleware) can take longer. The controller keeps
     starting it: the second call connects to that controller, and the proxy serves once it is up (probe
     ``/health``)."""
     options = {"http_options": {"host": host, "port": port},
-               "controller_options": {"runtime_env": {"env_vars": dict(PROXY_CALLBACK)}}}
+               "controller_options": {"runtime_env": {"env_vars": controller_env()}}}
     try:
         return serve.start(**options)
     except TimeoutError as error:
