@@ -1,4 +1,4 @@
-"""docs/usage.md's layout table against the package on disk.
+"""docs/usage.md's layout table against the package on disk, and the results files docs/benchmarks.md renders.
 
 The layout table has one row per folder of `hf_adaptive_spec/` (its first cell `` `decoding/` ``), naming each
 module of that folder by its stem in backticks (`` `loop` ``), and rows whose first cell names top-level modules
@@ -7,7 +7,9 @@ name ending in ``/`` one of its subfolders; other code (`SpecStats`, `prepare()`
 cannot be read as one.
 """
 
+import json
 import re
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,3 +75,34 @@ def test_every_entry_of_the_layout_table_exists():
     _, missing = _table_entries()
     assert not missing, f"docs/usage.md's layout table names what is not in hf_adaptive_spec/: {missing}."
 
+
+def _cited_results() -> set:
+    """The results files that docs/benchmarks.md's bench-table markers read, relative to docs/."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    files = set()
+    for spec in re.findall(r"<!-- bench-table: (.*?)\s+-->", text, re.DOTALL):
+        words = shlex.split(spec)
+        if words[0] == "headline":
+            continue
+        if words[0] != "rows":
+            files.add(words[0])
+        files |= {word[5:].partition("=")[0].partition("#")[0] for word in words if word.startswith("from:")}
+    return files
+
+
+def _provenance(results: dict) -> tuple:
+    """(command, git commit) a results file records: at its top or in its settings."""
+    for place in (results, results.get("settings") or {}):
+        environment = place.get("environment") or {}
+        if place.get("command") or environment.get("git_commit"):
+            return place.get("command"), environment.get("git_commit")
+    return None, None
+
+
+def test_every_results_file_the_benchmarks_page_renders_records_a_command_and_a_clean_commit():
+    unclean = {}
+    for name in sorted(_cited_results()):
+        command, commit = _provenance(json.loads((ROOT / "docs" / name).read_text()))
+        if not command or not commit or commit.endswith("+dirty"):
+            unclean[name] = (command, commit)
+    assert not unclean, f"docs/benchmarks.md renders results without a command or from a dirty tree: {unclean}."
