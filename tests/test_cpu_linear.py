@@ -78,6 +78,34 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 @needs_kernel
+def test_a_built_kernel_loads_as_it_is_past_a_lock_a_killed_build_left(tmp_path):
+    """A process finds the library built: it imports it, even with a `lock` file in its folder (what a build
+    killed midway leaves; torch's `load` waits on one forever) and a build file written for another checkout's
+    source path (on which `load` rebuilds), and rebuilds nothing."""
+    import shutil
+    import subprocess
+    import sys
+
+    isa = cpu_linear._isa()
+    name, build, _ = cpu_linear._location(isa)
+    cpu_linear._build(isa)  # built in this process's cache
+    folder = tmp_path / name
+    folder.mkdir()
+    shutil.copy2(build / f"{name}.so", folder / f"{name}.so")
+    (folder / "lock").touch()
+    (folder / "build.ninja").write_text("# written for /another/checkout/small_linear.cpp\n")
+    before = sorted((path.name, path.stat().st_mtime_ns) for path in folder.iterdir())
+    code = (f"import torch; from hf_adaptive_spec.ops import cpu_linear; e = cpu_linear._build({isa!r}); "
+            "x, w = torch.randn(3, 8), torch.randn(5, 8); "
+            "torch.testing.assert_close(e.small_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)")
+    env = {**__import__("os").environ, "HF_ADAPTIVE_SPEC_KERNEL_CACHE": str(tmp_path)}
+    # the bound only ends a process that waits on the lock (it never finishes then); a load takes a moment
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted((path.name, path.stat().st_mtime_ns) for path in folder.iterdir()) == before  # nothing rebuilt
+
+
+@needs_kernel
 @pytest.mark.skipif(cpu_linear._isa() != "avx512", reason="this CPU runs the AVX2 build already")
 def test_the_avx2_build_equals_torch_linear_too():
     """The build for CPUs without AVX-512 (8 lanes, 2 input rows per pass), compiled and run here too."""

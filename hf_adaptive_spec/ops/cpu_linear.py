@@ -34,10 +34,13 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -142,18 +145,40 @@ def is_built() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _build(isa: str):
-    """The extension compiled for `isa` (once per machine, source and torch version), loaded."""
+    """The extension compiled for `isa` (once per machine, source and torch version), loaded.
+
+    A library built already is imported as it is: torch's `load` would run ninja again, which rebuilds it
+    whenever the source's path differs (another checkout of the package) and waits on a lock file that a
+    build killed midway leaves behind, forever (beside a CPU-heavy process a serving replica's first request
+    waited on one). A build runs in a folder of its own and moves the library into place when done, so no
+    lock is shared and no half-built library is ever read."""
     from torch.utils.cpp_extension import load
 
     name, build, flags = _location(isa)
+    library = build / f"{name}.so"
+    if library.exists():
+        return _import_library(name, library)
+    logger.warning("hf_adaptive_spec: compiling the CPU small-batch linear kernel (%s) for the speculative "
+                   "rounds (once per machine, ~40 s; HF_ADAPTIVE_SPEC_CPU_KERNELS=0 skips it)", isa)
     build.mkdir(parents=True, exist_ok=True)
-    if not (build / f"{name}.so").exists():
-        logger.warning("hf_adaptive_spec: compiling the CPU small-batch linear kernel (%s) for the speculative "
-                       "rounds (once per machine, ~40 s; HF_ADAPTIVE_SPEC_CPU_KERNELS=0 skips it)", isa)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # cpp_extension's notes about compiler versions
-        return load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                    build_directory=str(build), verbose=False)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{name}.build-", dir=build.parent))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # cpp_extension's notes about compiler versions
+            module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                          build_directory=str(scratch), verbose=False)
+        os.replace(scratch / f"{name}.so", library)  # atomic: other processes see all of it or none
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return module
+
+
+def _import_library(name: str, path: Path):
+    """The compiled extension at `path`, imported as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 _BACKGROUND: dict[str, subprocess.Popen] = {}
