@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["ChatRequest", "RequestError", "SamplingDefaults", "TextAssembler", "decode_data_url",
+__all__ = ["ChatRequest", "RequestError", "SamplingDefaults", "TextAssembler", "decode_data_url", "error_body",
            "parse_chat_request"]
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
@@ -60,7 +60,13 @@ class RequestError(ValueError):
         self.code = code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    """The OpenAI error object ``{"error": {"message", "type", "param", "code"}}`` (`kind` is its ``type``)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..adapters.compat import text_config, vocab_size
 from ..chat_template import encode_chat, text_tokenizer
 from . import API_KEY_ENV
-from .chat import (MAX_IMAGE_PIXELS, ChatRequest, RequestError, SamplingDefaults, TextAssembler,
+from .chat import (MAX_IMAGE_PIXELS, ChatRequest, RequestError, SamplingDefaults, TextAssembler, error_body,
                    parse_chat_request)
 
 __all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "ServerState", "create_app", "error_kind", "error_response", "serve",
@@ -68,15 +68,14 @@ OPEN_PATHS = ("/health",)  # routes an API key does not guard
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
-           code: Optional[str] = None, headers: Optional[dict] = None):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+                   code: Optional[str] = None, headers: Optional[dict] = None):
+    """A JSON response with the OpenAI error body (`chat.error_body`)."""
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
 def sse_error(message: str, code: Optional[str] = None) -> str:
     """The server-sent event that ends a stream which cannot go on: ``data: {"error": ...}`` (then ``[DONE]``)."""
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\n"
+    return f"data: {json.dumps(error_body(message, 'server_error', code=code))}\n\n"
 
 
 def _route_path(scope) -> str:
@@ -366,6 +365,171 @@ async def _read_json(request, limit: int) -> Any:
         raise RequestError(f"the request body is not valid JSON: {error}")
 
 
+class _EngineStream(StreamingResponse):
+    """Server-sent events of one generation; whatever ends the response (the answer, the client gone, the task
+    cancelled) closes the generation, so a request never outlives its client in the batch."""
+
+    def __init__(self, generation: _Generation, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close(200)
+
+
+class _Routes:
+    """The app's route handlers over one `ServerState` (`create_app` registers them)."""
+
+    def __init__(self, state: ServerState, extra_stats: Optional[Callable[[], dict]] = None):
+        self.state = state
+        self.extra_stats = extra_stats
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        state = self.state
+        if state.manage_engine:
+            state.engine.start()
+            state.engine_started = True
+        try:
+            yield
+        finally:
+            state.draining = True
+            if state.manage_engine:
+                await run_in_threadpool(state.stop_engine)
+
+    # --- errors, counters and the model list ---------------------------------------------------------------
+    async def http_error(self, request, exc):
+        return error_response(exc.status_code, str(exc.detail), kind=error_kind(exc.status_code))
+
+    async def validation_error(self, request, exc):  # pragma: no cover - the endpoints parse bodies themselves
+        return error_response(400, str(exc))
+
+    def refuse(self, status: int, message: str, kind: Optional[str] = None, param: Optional[str] = None,
+               code: Optional[str] = None, headers: Optional[dict] = None):
+        """`error_response` (its type from the status unless `kind` is given), counted in ``by_status``."""
+        self.state.by_status[status] += 1
+        return error_response(status, message, kind or error_kind(status), param, code, headers)
+
+    async def all_stats(self) -> dict:
+        stats = self.state.stats()
+        if self.extra_stats is not None:
+            stats.update(await run_in_threadpool(self.extra_stats))
+        return stats
+
+    async def health(self):
+        return JSONResponse(await self.all_stats(), status_code=503 if self.state.draining else 200)
+
+    async def stats(self):
+        return await self.all_stats()
+
+    def model_card(self) -> dict:
+        return {"id": self.state.model_name, "object": "model", "created": self.state.created,
+                "owned_by": "hf_adaptive_spec"}
+
+    async def models(self):
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def model(self, name: str):
+        if name != self.state.model_name:
+            return error_response(404, f"The model {name!r} does not exist", kind="not_found_error", param="model",
+                                  code="model_not_found")
+        return self.model_card()
+
+    # --- chat completions ----------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request):
+        state = self.state
+        if state.draining:
+            return self.refuse(503, "the server is shutting down")
+        try:
+            chat, prompt, max_new_tokens = await self.read_request(request)
+        except RequestError as error:
+            return self.refuse(error.status, error.message, error.kind, error.param, error.code)
+        from .engine import EngineStopped, QueueFull, Request as EngineRequest
+
+        engine_request = EngineRequest(
+            input_ids=prompt.input_ids, max_new_tokens=max_new_tokens, stop_token_ids=chat.stop_token_ids,
+            temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k, seed=chat.seed,
+            model_inputs=prompt.model_inputs,
+        )
+        events = _Events(asyncio.get_running_loop())
+        try:
+            handle = state.engine.submit(engine_request, on_tokens=events.on_tokens, on_finish=events.on_finish)
+        except QueueFull:
+            return self.refuse(429, "the server's queue is full; retry later", headers={"Retry-After": "1"})
+        except EngineStopped:
+            return self.refuse(503, "the server is shutting down")
+        except ValueError as error:
+            return self.refuse(400, str(error))
+        state.active += 1
+        generation = _Generation(state, handle, events, chat, prompt)
+        if chat.stream:
+            return _EngineStream(generation, self.stream_events(generation))
+        return await self.complete(request, generation)
+
+    async def read_request(self, request: Request) -> tuple:
+        """`(ChatRequest, _Prompt, max new tokens)` of a request; `RequestError` for one the server refuses."""
+        state = self.state
+        body = await _read_json(request, state.max_body_bytes)
+        chat = parse_chat_request(body, state.model_name, accepts_images=state.accepts_images,
+                                  defaults=state.sampling, vocab_size=state.vocab_size,
+                                  max_image_pixels=state.max_image_pixels)
+        try:
+            prompt = await run_in_threadpool(state.encode, chat)
+        except (ValueError, TypeError, jinja2.TemplateError) as error:  # the template or processor refused
+            raise RequestError(f"the messages cannot be turned into a prompt: {type(error).__name__}: {error}",
+                               param="messages")
+        return chat, prompt, state.max_new_tokens(chat.max_tokens, len(prompt.input_ids))
+
+    async def stream_events(self, generation: _Generation):
+        model_name = self.state.model_name
+
+        def chunk(delta, finish_reason=None):
+            return _chunk(generation.id, generation.created, model_name, delta, finish_reason)
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for delta in generation.deltas():
+            yield chunk({"content": delta})
+        if generation.error is not None:
+            yield sse_error(generation.error)
+        else:
+            yield chunk({}, generation.finish_reason)
+            if generation.chat.include_usage:
+                payload = {"id": generation.id, "object": "chat.completion.chunk", "created": generation.created,
+                           "model": model_name, "choices": [], "usage": generation.usage()}
+                yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def complete(self, request: Request, generation: _Generation):
+        status = 200
+        try:
+            parts = []
+            loop = asyncio.get_running_loop()
+            checked = loop.time()
+            async for delta in generation.deltas(timeout=DISCONNECT_POLL_S):
+                parts.append(delta)
+                if loop.time() - checked >= DISCONNECT_POLL_S:  # between rounds, or after a quiet poll
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        status = 499  # the client closed the request; close() cancels it
+                        return error_response(499, "the client disconnected")
+            if generation.error is not None:
+                status = 500
+                return error_response(500, generation.error, kind="server_error")
+            return {
+                "id": generation.id, "object": "chat.completion", "created": generation.created,
+                "model": self.state.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+                             "logprobs": None, "finish_reason": generation.finish_reason}],
+                "usage": generation.usage(),
+            }
+        finally:
+            generation.close(status)
+
+
 def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: Optional[int] = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, sampling: Optional[SamplingDefaults] = None,
                manage_engine: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
@@ -393,166 +557,23 @@ def create_app(engine, processor_or_tokenizer, model_name: str, *, max_context: 
     Returns:
         The app; ``app.state.serving`` is its `ServerState`.
     """
-    from .engine import EngineStopped, QueueFull, Request as EngineRequest
-
     state = ServerState(engine, processor_or_tokenizer, model_name, max_context=max_context,
                         default_max_tokens=default_max_tokens, sampling=sampling,
                         max_body_bytes=max_body_bytes, manage_engine=manage_engine,
                         max_image_pixels=max_image_pixels)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        if state.manage_engine:
-            engine.start()
-            state.engine_started = True
-        try:
-            yield
-        finally:
-            state.draining = True
-            if state.manage_engine:
-                await run_in_threadpool(state.stop_engine)
-
-    app = FastAPI(title="hf_adaptive_spec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    routes = _Routes(state, extra_stats)
+    app = FastAPI(title="hf_adaptive_spec", lifespan=routes.lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.serving = state
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, state=state)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, exc):
-        return error_response(exc.status_code, str(exc.detail), kind=error_kind(exc.status_code))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request, exc):  # pragma: no cover - the endpoints parse bodies themselves
-        return error_response(400, str(exc))
-
-    async def all_stats() -> dict:
-        stats = state.stats()
-        if extra_stats is not None:
-            stats.update(await run_in_threadpool(extra_stats))
-        return stats
-
-    @app.get("/health")
-    async def health():
-        return JSONResponse(await all_stats(), status_code=503 if state.draining else 200)
-
-    @app.get("/v1/stats")
-    async def stats():
-        return await all_stats()
-
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": state.created, "owned_by": "hf_adaptive_spec"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str):
-        if name != model_name:
-            return error_response(404, f"The model {name!r} does not exist", kind="not_found_error", param="model",
-                          code="model_not_found")
-        return model_card()
-
-    class _EngineStream(StreamingResponse):
-        """Server-sent events of one generation; whatever ends the response (the answer, the client gone,
-        the task cancelled) closes the generation, so a request never outlives its client in the batch."""
-
-        def __init__(self, generation: _Generation, content):
-            super().__init__(content, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            self.generation = generation
-
-        async def __call__(self, scope, receive, send):
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self.generation.close(200)
-
-    async def stream_events(generation: _Generation):
-        def chunk(delta, finish_reason=None):
-            return _chunk(generation.id, generation.created, model_name, delta, finish_reason)
-
-        yield chunk({"role": "assistant", "content": ""})
-        async for delta in generation.deltas():
-            yield chunk({"content": delta})
-        if generation.error is not None:
-            yield sse_error(generation.error)
-        else:
-            yield chunk({}, generation.finish_reason)
-            if generation.chat.include_usage:
-                payload = {"id": generation.id, "object": "chat.completion.chunk", "created": generation.created,
-                           "model": model_name, "choices": [], "usage": generation.usage()}
-                yield f"data: {json.dumps(payload)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    async def complete(request: Request, generation: _Generation):
-        status = 200
-        try:
-            parts = []
-            loop = asyncio.get_running_loop()
-            checked = loop.time()
-            async for delta in generation.deltas(timeout=DISCONNECT_POLL_S):
-                parts.append(delta)
-                if loop.time() - checked >= DISCONNECT_POLL_S:  # between rounds, or after a quiet poll
-                    checked = loop.time()
-                    if await request.is_disconnected():
-                        status = 499  # the client closed the request; close() cancels it
-                        return error_response(499, "the client disconnected")
-            if generation.error is not None:
-                status = 500
-                return error_response(500, generation.error, kind="server_error")
-            return {
-                "id": generation.id, "object": "chat.completion", "created": generation.created,
-                "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                             "logprobs": None, "finish_reason": generation.finish_reason}],
-                "usage": generation.usage(),
-            }
-        finally:
-            generation.close(status)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        def refuse(status, message, kind, headers=None):
-            state.by_status[status] += 1
-            return error_response(status, message, kind=kind, headers=headers)
-
-        if state.draining:
-            return refuse(503, "the server is shutting down", "service_unavailable")
-        try:
-            body = await _read_json(request, state.max_body_bytes)
-            chat = parse_chat_request(body, model_name, accepts_images=state.accepts_images,
-                                      defaults=state.sampling, vocab_size=state.vocab_size,
-                                      max_image_pixels=state.max_image_pixels)
-            try:
-                prompt = await run_in_threadpool(state.encode, chat)
-            except (ValueError, TypeError, jinja2.TemplateError) as error:  # the template or processor refused
-                raise RequestError(f"the messages cannot be turned into a prompt: {type(error).__name__}: {error}",
-                                   param="messages")
-            max_new_tokens = state.max_new_tokens(chat.max_tokens, len(prompt.input_ids))
-        except RequestError as error:
-            state.by_status[error.status] += 1
-            return JSONResponse(error.body(), status_code=error.status)
-        engine_request = EngineRequest(
-            input_ids=prompt.input_ids, max_new_tokens=max_new_tokens, stop_token_ids=chat.stop_token_ids,
-            temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k, seed=chat.seed,
-            model_inputs=prompt.model_inputs,
-        )
-        events = _Events(asyncio.get_running_loop())
-        try:
-            handle = engine.submit(engine_request, on_tokens=events.on_tokens, on_finish=events.on_finish)
-        except QueueFull:
-            return refuse(429, "the server's queue is full; retry later", "rate_limit_error", {"Retry-After": "1"})
-        except EngineStopped:
-            return refuse(503, "the server is shutting down", "service_unavailable")
-        except ValueError as error:
-            return refuse(400, str(error), "invalid_request_error")
-        state.active += 1
-        generation = _Generation(state, handle, events, chat, prompt)
-        if chat.stream:
-            return _EngineStream(generation, stream_events(generation))
-        return await complete(request, generation)
-
+    app.add_exception_handler(StarletteHTTPException, routes.http_error)
+    app.add_exception_handler(RequestValidationError, routes.validation_error)
+    app.get("/health")(routes.health)
+    app.get("/v1/stats")(routes.stats)
+    app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{name:path}")(routes.model)
+    app.post("/v1/chat/completions")(routes.chat_completions)
     return app
 
 
