@@ -204,11 +204,11 @@ def test_tiny_train_vlm_lowers_the_loss_and_resumes(tiny_language_model, easy_vq
     assert [h["step"] for h in again["history"]] == list(range(1, 18))
     # the resumed steps follow the longer run's schedule from the base rate (not from the checkpoint's
     # scheduled rate)
-    from hf_adaptive_spec.training.vlm import _cosine
+    from hf_adaptive_spec.training.schedule import warmup_cosine
 
     for entry in again["history"][15:]:
         local = entry["step"] - 1 - config.tower_steps - config.align_steps
-        assert entry["lr"] == pytest.approx(config.lm_lr * _cosine(local, 10))
+        assert entry["lr"] == pytest.approx(config.lm_lr * warmup_cosine(local, 10))
         assert entry["lr"] > 0
 
 

@@ -18,8 +18,6 @@ from the latest one.
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +25,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from .checkpointing import resume_state, save_checkpoint
+from .schedule import warmup_cosine
 
 __all__ = ["DrafterTrainConfig", "evaluate_drafter", "make_drafter_data", "tower_features", "train_scenes_drafter"]
 
@@ -241,17 +242,6 @@ def evaluate_drafter(drafter, embedding_map, target_embedding, records: list, pa
     return {"top1": right / max(1, total), "loss": loss / max(1, total), "tokens": total}
 
 
-def _lr_scale(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
-def _latest_checkpoint(out_dir: Path):
-    checkpoints = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    return checkpoints[-1] if checkpoints else None
-
-
 def train_scenes_drafter(drafter, embedding_map, target_embedding, records: list, eval_records: list, pad: int,
                          config: DrafterTrainConfig, out_dir=None, resume: bool = False, progress: bool = True,
                          log=print) -> dict:
@@ -272,15 +262,12 @@ def train_scenes_drafter(drafter, embedding_map, target_embedding, records: list
                                    {"params": [embedding_map], "lr": config.map_lr}], weight_decay=0.0)
     base = [group["lr"] for group in optimizer.param_groups]
     out_dir = Path(out_dir) if out_dir is not None else None
-    start, history, evals = 0, [], []
-    if resume and out_dir is not None and (checkpoint := _latest_checkpoint(out_dir)) is not None:
-        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+    state, start, history, evals = resume_state(out_dir, resume, log)
+    if state is not None:
         drafter.load_state_dict(state["trained"], strict=False)
         with torch.no_grad():
             embedding_map.copy_(state["embedding_map"])
         optimizer.load_state_dict(state["optimizer"])
-        start, history, evals = state["step"], state["history"], state["evals"]
-        log(f"resumed from {checkpoint} at step {start}")
     image_token = drafter.config.image_token_index
     bar = tqdm(desc="train-scenes-drafter", disable=not progress, initial=start, total=config.steps)
     started = time.perf_counter()
@@ -289,7 +276,7 @@ def train_scenes_drafter(drafter, embedding_map, target_embedding, records: list
         rng = random.Random(f"{config.seed}/{step}")  # the same batches after a resume
         batch = _batch(rng.sample(records, min(config.batch, len(records))), pad, image_token, rng, config)
         for group, lr in zip(optimizer.param_groups, base):
-            group["lr"] = lr * _lr_scale(step, config.steps, config.warmup)
+            group["lr"] = lr * warmup_cosine(step, config.steps, config.warmup)
         logits, labels = drafter_logits(drafter, embedding_map, target_embedding, batch)
         loss = nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad()
@@ -307,13 +294,10 @@ def train_scenes_drafter(drafter, embedding_map, target_embedding, records: list
             log(f"step {done}: held-out top-1 {result['top1']:.3f}, loss {result['loss']:.3f}")
             drafter.train()
         if out_dir is not None and (done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
-            checkpoint = out_dir / f"checkpoint-{done}"
-            checkpoint.mkdir(parents=True, exist_ok=True)
             state = {k: v for k, v in drafter.state_dict().items() if k.startswith(TRAINED_PREFIXES)}
-            torch.save({"trained": state, "embedding_map": embedding_map.detach(), "optimizer": optimizer.state_dict(),
-                        "step": done, "history": history, "evals": evals, "config": asdict(config)},
-                       checkpoint / "training_state.pt")
-            (checkpoint / "progress.json").write_text(json.dumps({"step": done, "evals": evals}, indent=1) + "\n")
+            save_checkpoint(out_dir, done, {"trained": state, "embedding_map": embedding_map.detach(),
+                                            "optimizer": optimizer.state_dict(), "step": done, "history": history,
+                                            "evals": evals, "config": asdict(config)}, evals)
     bar.close()
     drafter.eval()
     for parameter in drafter.parameters():

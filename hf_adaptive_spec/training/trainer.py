@@ -12,8 +12,6 @@ through `Accelerator.prepare`; the frozen target stays outside it, on each proce
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -23,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters.laspec import LaSpecDrafterModel
+from .checkpointing import resume_state, save_checkpoint
 from .losses import acceptance_weighted_mean
+from .schedule import warmup_cosine
 
 __all__ = ["TrainConfig", "make_batch", "evaluate_acceptance", "train_drafter"]
 
@@ -200,11 +200,6 @@ def evaluate_acceptance(drafter, examples: list, block_size: int, anchors: int =
     return {"accepted": accepted, "tau_chain": 1.0 + accepted, "top1": (hits / seen.clamp_min(1)).tolist()}
 
 
-def _latest_checkpoint(out_dir: Path):
-    checkpoints = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    return checkpoints[-1] if checkpoints else None
-
-
 def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_examples: list, config: TrainConfig,
                   out_dir=None, resume: bool = False, accelerator=None, progress: bool = True, log=print) -> dict:
     """Train `drafter` (attached to its target) in place; returns the history.
@@ -235,30 +230,17 @@ def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_exampl
                                   weight_decay=config.weight_decay)
     total = config.steps  # planned steps: fewer than config.steps when max_seconds says so
 
-    def rate(step):
-        warmup = max(1, total // 20)
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, total))
     model, optimizer = accelerator.prepare(drafter, optimizer)
     out_dir = Path(out_dir) if out_dir is not None else None
-    start_step, history, evals = 0, [], []
-    if resume and out_dir is not None and (checkpoint := _latest_checkpoint(out_dir)) is not None:
-        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+    state, start_step, history, evals = resume_state(out_dir, resume, log)
+    generator = random.Random(config.seed * 1000 + accelerator.process_index)
+    if state is not None:
         accelerator.unwrap_model(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        start_step, history, evals = state["step"], state["history"], state["evals"]
         total = state.get("total", config.steps)
-        random_state = state["random"]
-        log(f"resumed from {checkpoint} at step {start_step}")
-    else:
-        random_state = None
-    generator = random.Random(config.seed * 1000 + accelerator.process_index)
-    if random_state is not None:
-        generator.setstate(random_state)
+        generator.setstate(state["random"])
 
     model.train()
     bar = tqdm(desc=f"train ({config.loss})", disable=not progress, initial=start_step, total=total)
@@ -310,13 +292,10 @@ def train_drafter(drafter: LaSpecDrafterModel, train_examples: list, eval_exampl
                     log(f"max_seconds {config.max_seconds:g}: running late, now planning {total} steps")
         if out_dir is not None and accelerator.is_main_process and (
                 done == total or (config.checkpoint_every and done % config.checkpoint_every == 0)):
-            checkpoint = out_dir / f"checkpoint-{done}"
-            checkpoint.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "step": done, "history": history, "evals": evals,
-                        "random": generator.getstate(), "config": asdict(config), "total": total},
-                       checkpoint / "training_state.pt")
-            (checkpoint / "progress.json").write_text(json.dumps({"step": done, "evals": evals}, indent=1))
+            save_checkpoint(out_dir, done, {
+                "model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "step": done, "history": history, "evals": evals,
+                "random": generator.getstate(), "config": asdict(config), "total": total}, evals)
     bar.close()
     model.eval()
     return {"history": history, "evals": evals, "config": {**asdict(config), "steps_run": total}}

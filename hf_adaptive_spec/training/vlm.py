@@ -25,8 +25,6 @@ and the optimizer, and `resume` continues from the latest one.
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import re
 import time
@@ -38,6 +36,8 @@ from torch import nn
 
 from ..chat_template import chat_text, encode_chat
 from ..scenes.dataset import COLORS, DESCRIBE_REQUEST, POSITIONS, SHAPES, make_scenes, scene_messages
+from .checkpointing import resume_state, save_checkpoint
+from .schedule import warmup_cosine
 
 __all__ = ["QuadrantHeads", "VLMTrainConfig", "evaluate_scenes", "parse_description", "train_scenes_vlm"]
 
@@ -237,18 +237,6 @@ def evaluate_scenes(model, processor, scenes: list, max_new_tokens: int = 48, bl
             "samples": samples}
 
 
-def _latest_checkpoint(out_dir: Path):
-    checkpoints = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    return checkpoints[-1] if checkpoints else None
-
-
-def _cosine(step: int, total: int) -> float:
-    warmup = max(1, total // 20)
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
 def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, resume: bool = False,
                      accelerator=None, progress: bool = True, log=print, scene_source=make_scenes) -> dict:
     """Train `model`'s vision tower and projector in place, and low-rank updates of its language model
@@ -289,16 +277,12 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
     projector_params = list(model.model.multi_modal_projector.parameters())
     total = config.tower_steps + config.align_steps + config.lm_steps
     out_dir = Path(out_dir) if out_dir is not None else None
-    start, history, evals = 0, [], []
     trained_keys = [k for k in model.state_dict()
                     if k.startswith(TRAINED_PREFIXES) or ".parametrizations.weight.0." in k]
-    state = None
-    if resume and out_dir is not None and (checkpoint := _latest_checkpoint(out_dir)) is not None:
-        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+    state, start, history, evals = resume_state(out_dir, resume, log)
+    if state is not None:
         model.load_state_dict(state["trained"], strict=False)
         heads.load_state_dict(state["heads"])
-        start, history, evals = state["step"], state["history"], state["evals"]
-        log(f"resumed from {checkpoint} at step {start}")
 
     stages = [("tower", config.tower_steps, config.tower_batch), ("align", config.align_steps, config.align_batch),
               ("lm", config.lm_steps, config.lm_batch)]
@@ -343,7 +327,7 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
             base_lrs = [g["lr"] for g in optimizer.param_groups]
             bar.set_description(f"train-vlm ({stage})")
         for group, lr in zip(optimizer.param_groups, base_lrs):
-            group["lr"] = lr * _cosine(local, stage_total)
+            group["lr"] = lr * warmup_cosine(local, stage_total)
         scenes = scene_source("train", batch_size, seed=config.seed, start=step * batch_size)
         if stage in ("tower", "align"):
             pixels = processor.image_processor([s.image for s in scenes], return_tensors="pt")["pixel_values"]
@@ -377,13 +361,10 @@ def train_scenes_vlm(model, processor, config: VLMTrainConfig, out_dir=None, res
             model.train()
         if out_dir is not None and accelerator.is_main_process and (
                 step == total or (config.checkpoint_every and step % config.checkpoint_every == 0)):
-            checkpoint = out_dir / f"checkpoint-{step}"
-            checkpoint.mkdir(parents=True, exist_ok=True)
             trained = {k: v for k, v in model.state_dict().items() if k in trained_keys}
-            torch.save({"trained": trained, "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
-                        "stage": stage, "step": step, "history": history, "evals": evals,
-                        "config": asdict(config)}, checkpoint / "training_state.pt")
-            (checkpoint / "progress.json").write_text(json.dumps({"step": step, "evals": evals}, indent=1))
+            save_checkpoint(out_dir, step, {"trained": trained, "heads": heads.state_dict(),
+                                            "optimizer": optimizer.state_dict(), "stage": stage, "step": step,
+                                            "history": history, "evals": evals, "config": asdict(config)}, evals)
     bar.close()
     model.eval()
     for parameter in model.parameters():
