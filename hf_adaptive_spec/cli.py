@@ -10,7 +10,7 @@ import sys
 import time
 
 from .chat_template import text_tokenizer
-from .loading import chat_inputs as _chat_inputs, load_drafter, load_model, resolve_path as _resolve_path  # noqa: F401
+from .loading import chat_inputs as _chat_inputs, load_assistant, load_model, resolve_path as _resolve_path  # noqa: F401
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
@@ -127,7 +127,7 @@ def cmd_demo(args) -> int:
     torch.set_num_threads(args.threads) if args.threads else None
     print(f"target {args.target}, drafter {args.drafter} (int8: {args.drafter_int8}), strategy {args.strategy}")
     target, processor = load_model(args.target)
-    drafter = load_drafter(args.drafter, target, args.drafter_int8)
+    drafter = load_assistant(args.drafter, target, args.drafter_int8)
     target.generation_config.do_sample = False
     inputs = _chat_inputs(processor, args.prompt)
     print(f"prompt: {args.prompt}\n")
@@ -137,7 +137,7 @@ def cmd_demo(args) -> int:
 
 def cmd_generate(args) -> int:
     target, processor = load_model(args.target, args.dtype)
-    drafter = load_drafter(args.drafter, target, args.drafter_int8, args.dtype)
+    drafter = load_assistant(args.drafter, target, args.drafter_int8, args.dtype)
     target.generation_config.do_sample = False
     inputs = _chat_inputs(processor, args.prompt, args.image, chat=not args.no_chat_template)
     tokenizer = text_tokenizer(processor)
@@ -152,7 +152,7 @@ def cmd_prepare(args) -> int:
 
     torch.set_num_threads(args.threads) if args.threads else None
     target, _ = load_model(args.target, args.dtype)
-    drafter = load_drafter(args.drafter, target, args.drafter_int8, args.dtype)
+    drafter = load_assistant(args.drafter, target, args.drafter_int8, args.dtype)
     result = prepare(target, drafter, args.strategy, batch_sizes=args.batch_sizes,
                      spec_config=_spec_config(args.spec_config))
     print(json.dumps(result, indent=2))

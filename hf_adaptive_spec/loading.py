@@ -1,6 +1,6 @@
 """Loading models for the command line, training and the datastore builder: a registry name or a local folder
--> model and processor / tokenizer; drafters (LaSpec, or an independent model, optionally int8); the inputs of
-one command-line prompt."""
+-> model and processor / tokenizer; assistants (a LaSpec drafter, or an independent model, optionally int8); the
+inputs of one prompt (a command-line prompt, or chat messages on a device)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .chat_template import encode_chat, text_tokenizer
 
-__all__ = ["chat_inputs", "int8_drafter", "is_laspec", "load_drafter", "load_model", "model_names", "resolve_path"]
+__all__ = ["chat_inputs", "encode_prompt", "int8_drafter", "is_laspec", "load_assistant", "load_model", "model_names",
+           "resolve_path"]
 
 
 def model_names() -> list:
@@ -72,6 +73,34 @@ def chat_inputs(processor, prompt: str, image_path: str | None = None, chat: boo
     return encode_chat(processor, [{"role": "user", "content": prompt}])
 
 
+def encode_prompt(processor, messages: list, device, image=None, dtype=None) -> dict:
+    """`{"input_ids", "attention_mask"}` `(1, T)` on `device`: `chat_template.encode_chat` of `messages`.
+
+    With an `image`, `processor` is a VLM's processor and every input it makes is returned, floating ones (pixel
+    values) in `dtype`.
+    """
+    import torch
+
+    if image is None:
+        encoded = encode_chat(processor, messages)
+        encoded = {key: encoded[key] for key in ("input_ids", "attention_mask") if key in encoded}
+    else:
+        encoded = encode_chat(processor, messages, [image])
+    inputs = {key: _to_device(value, device, dtype) for key, value in encoded.items()}
+    if inputs.get("attention_mask") is None:
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    return inputs
+
+
+def _to_device(value, device, dtype):
+    """A tensor on `device` (floating ones in `dtype`, when given); anything else as it is."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
+
+
 def _open_image(path: str):
     try:
         from PIL import Image
@@ -86,13 +115,15 @@ def is_laspec(name_or_path: str) -> bool:
     return name_or_path in SHIPPED_DRAFTERS or is_laspec_folder(Path(name_or_path).expanduser())
 
 
-def load_drafter(name_or_path: str, target, int8: bool, dtype: str = "float32"):
-    """A LaSpec drafter (shipped name or folder; attached to `target`) or an independent HF model."""
+def load_assistant(name_or_path: str, target, int8: bool = False, dtype: str = "float32", model_loader=None):
+    """What `generate(assistant_model=...)` gets for `name_or_path`: a LaSpec drafter (a shipped name or folder,
+    attached to `target`: `drafters.hub.load_drafter`) or an independent HF model, `model_loader(name) ->
+    (model, processor)` (default `load_model` in `dtype`), int8 when `int8` (`int8_drafter`)."""
     if is_laspec(name_or_path):
-        from .drafters.hub import load_drafter as load_laspec
+        from .drafters.hub import load_drafter
 
-        return load_laspec(name_or_path, target)  # int8 does not apply: one small forward per round
-    drafter, _ = load_model(name_or_path, dtype)
+        return load_drafter(name_or_path, target)  # int8 does not apply: one small forward per round
+    drafter, _ = (model_loader or (lambda name: load_model(name, dtype)))(name_or_path)
     return int8_drafter(drafter, int8)
 
 

@@ -149,7 +149,7 @@ def test_mismatch_is_a_failure_and_exits_nonzero(tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(bench, "run_method", corrupt_chain)
-    monkeypatch.setattr(bench, "load_model", _tiny_loader)
+    monkeypatch.setattr(bench, "load_on_device", _tiny_loader)
     monkeypatch.setattr(bench, "default_prompt_loader", _fake_prompts)
     argv = ["--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path / "out"), "--no-progress", "--no-plots",
             "--warmup", "0", "--no-stock", "--strategies", "chain", "sage", "--limit", "1"]
@@ -637,7 +637,7 @@ def test_visual_token_sweep_runs_laspec_or_the_named_strategy(tmp_path):
 @pytest.mark.usefixtures("one_thread")
 def test_scenes_dataset_on_a_vlm_folder_through_the_default_loaders(tmp_path, tmp_path_factory):
     """The real path: held-out scenes (easy-vqa, pinned) and a tiny scenes VLM saved with its LlavaProcessor
-    (SmolLM2's real tokenizer), loaded by `bench.load_model` as target and as (int8 or text) drafter."""
+    (SmolLM2's real tokenizer), loaded by `bench.load_on_device` as target and as (int8 or text) drafter."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from conftest import fetch_real_smollm2
@@ -663,7 +663,7 @@ def test_scenes_dataset_on_a_vlm_folder_through_the_default_loaders(tmp_path, tm
     assert [p.id for p in prompts] == [s.id for s in scenes.make_scenes("test", 2)]
     assert all(p.dataset == "scenes" and p.category == "describe" and p.image.size == (128, 128) for p in prompts)
     assert len(bench.default_prompt_loader("scenes", None)) == bench_vision.SCENES_DEFAULT_LIMIT
-    loaded, loaded_processor = bench.load_model(str(tmp_path / "vlm"), _args(tmp_path), "target")
+    loaded, loaded_processor = bench.load_on_device(str(tmp_path / "vlm"), _args(tmp_path), "target")
     assert type(loaded).__name__ == "LlavaForConditionalGeneration" and hasattr(loaded_processor, "image_processor")
     inputs = bench.encode_prompt(loaded_processor, prompts[0].messages, loaded.device, prompts[0].image, loaded.dtype)
     assert int((inputs["input_ids"] == IMAGE_TOKEN_ID).sum()) == 64 and inputs["pixel_values"].shape == (1, 3, 128, 128)

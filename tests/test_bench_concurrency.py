@@ -248,10 +248,10 @@ def test_every_strategy_matches_plain_greedy_per_row(batch_size):
         assert bench_concurrency.row_tokens(out, width, [eos]) == expected_eos, strategy
 
 
-def test_left_pad_and_row_tokens():
+def test_pad_encodings_and_row_tokens():
     encoded = [{"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)},
                {"input_ids": torch.tensor([[9]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}]
-    batch = bench_concurrency.left_pad(encoded, pad_token_id=0)
+    batch = bench_concurrency.pad_encodings(encoded, pad_token_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [0, 0, 9]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
     sequences = torch.tensor([[5, 6, 7, 11, 2, 0], [0, 0, 9, 12, 13, 14]])

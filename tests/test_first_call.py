@@ -122,8 +122,8 @@ def test_cold_worker_times_first_calls_and_checks_outputs(monkeypatch, tmp_path)
     target = build_model("llama")
     drafter = build_drafter("llama", target, "small")
     inputs = make_inputs("llama", batch_size=1)
-    monkeypatch.setattr(bench, "load_model", lambda name, args, role: (target if role == "target" else drafter,
-                                                                        SimpleNamespace(pad_token_id=0)))
+    monkeypatch.setattr(bench, "load_on_device", lambda name, args, role: (target if role == "target" else drafter,
+                                                                           SimpleNamespace(pad_token_id=0)))
     monkeypatch.setattr(bench, "encode_prompt", lambda tokenizer, messages, device: inputs)
     monkeypatch.setattr(cpu_linear, "enabled", lambda wait=False: False)
     args = argparse.Namespace(target="t", drafter="d", drafter_int8=False, threads=None, max_new_tokens=12,

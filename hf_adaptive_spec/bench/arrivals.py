@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 from .. import traffic
 
-from .batch_runs import (WARMUP_TOKENS, LoadMethod, decode_batch, encoder, eos_ids, left_pad, mismatched_rows,
+from .batch_runs import (WARMUP_TOKENS, LoadMethod, decode_batch, encoder, eos_ids, mismatched_rows, pad_encodings,
                          pad_id, prompt_id, show, step, structure_stats)
 from .report import describe
 
@@ -139,7 +139,7 @@ def run_arrivals(target, tokenizer, drafter, prompts: Sequence, arrivals: Sequen
     reference = {}  # tuple of request ids -> plain greedy rows of that batch
 
     def batch_inputs(ids):
-        return left_pad([encode(i) for i in ids], pad_token_id)
+        return pad_encodings([encode(i) for i in ids], pad_token_id)
 
     summaries, per_request, per_batch, failures = {}, {}, {}, []
     for method in ordered:

@@ -17,7 +17,7 @@ from .stats import PLAIN, PLAIN_MODE
 
 __all__ = ["CHAIN_LENGTHS", "LASPEC_FIXED", "LASPEC_TREE_TOP_K", "LINEAR_CHAIN", "STATIC_TREE_DEPTH", "TREE_SIZES",
            "WARMUP_TOKENS", "BatchRun", "LoadMethod", "arrival_methods", "decode_batch", "encoder", "eos_ids",
-           "left_pad", "load_methods", "mismatched_rows", "pad_id", "prompt_id", "row_tokens", "show", "step",
+           "load_methods", "mismatched_rows", "pad_encodings", "pad_id", "prompt_id", "row_tokens", "show", "step",
            "structure_stats"]
 
 
@@ -126,7 +126,7 @@ def arrival_methods(methods: Sequence[LoadMethod]) -> list:
     return chosen + [m for m in methods if m.family == "adaptive"]
 
 
-def left_pad(encoded: Sequence[dict], pad_token_id: int) -> dict:
+def pad_encodings(encoded: Sequence[dict], pad_token_id: int) -> dict:
     """One batch `{"input_ids", "attention_mask"}` `(B, T_max)` from B encoded prompts `(1, T_i)`, each row
     padded on the left with `pad_token_id` (attention mask 0)."""
     width = max(e["input_ids"].shape[1] for e in encoded)

@@ -28,28 +28,19 @@ def _worker(options: dict) -> dict:
 
     import torch
 
-    from .. import loading
     from . import run as bench
-    from ..drafters.quantize import quantize_drafter
     from ..decoding.prepare import prepare
+    from .batch_runs import pad_id
 
     args = argparse.Namespace(**options["args"])
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, tokenizer = bench.load_model(args.target, args, "target")
-    if loading.is_laspec(args.drafter):
-        from ..drafters.hub import load_drafter
-
-        drafter = load_drafter(args.drafter, target)
-    else:
-        drafter, _ = bench.load_model(args.drafter, args, "drafter")
-        if args.drafter_int8:
-            drafter = quantize_drafter(drafter)
+    target, tokenizer = bench.load_on_device(args.target, args, "target")
+    drafter = bench.load_drafter_option(args.drafter, target, args, args.drafter_int8, bench.load_on_device)
     prompt = options["prompt"]
     inputs = bench.encode_prompt(tokenizer, prompt["messages"], target.device)
     strategy, config = options["strategy"], options["spec_config"]
-    pad = getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None)
-    common = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+    common = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad_id(tokenizer))
 
     def plain():
         start = time.perf_counter()

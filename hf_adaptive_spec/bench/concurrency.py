@@ -71,15 +71,14 @@ from pathlib import Path
 from typing import Sequence
 
 from .. import traffic
-from ..drafters.quantize import quantize_drafter
 from .arrivals import ARRIVAL_KINDS, ARRIVAL_OPTIONS, make_arrivals, replay, run_arrivals, summarize_replay
 from .batch_runs import (CHAIN_LENGTHS, TREE_SIZES, WARMUP_TOKENS, BatchRun, LoadMethod, arrival_methods,
-                         decode_batch, left_pad, load_methods, pad_id, row_tokens, structure_stats)
+                         decode_batch, load_methods, pad_encodings, pad_id, row_tokens, structure_stats)
 from .concurrency_options import check_options, fixed_structures
 from .concurrency_report import PLOT_FILES, arrivals_markdown, sweep_markdown, write_load_plots
 from .concurrency_sweep import best_fixed, run_load_sweep
 from .report import command_line, describe, environment, jsonable, now
-from .inputs import load_model
+from .inputs import load_drafter_option, load_on_device
 from ..chat_template import text_tokenizer
 
 __all__ = [
@@ -93,10 +92,10 @@ __all__ = [
     "arrival_methods",
     "best_fixed",
     "decode_batch",
-    "left_pad",
     "load_methods",
     "fixed_structures",
     "make_arrivals",
+    "pad_encodings",
     "replay",
     "row_tokens",
     "run_arrivals",
@@ -107,19 +106,12 @@ __all__ = [
 ]
 
 
-def _load_models(args, laspec: bool, model_loader) -> tuple:
+def _load_models(args, model_loader) -> tuple:
     """`(target, tokenizer, drafter, load seconds)`, as the bench loads them."""
     start = time.perf_counter()
-    target, processor = (model_loader or load_model)(args.target, args, "target")
+    target, processor = (model_loader or load_on_device)(args.target, args, "target")
     tokenizer = text_tokenizer(processor)
-    if laspec:  # a LaSpec drafter runs on the target's own states, embedding and LM head
-        from ..drafters.hub import load_drafter
-
-        drafter = load_drafter(args.drafter, target)
-    else:
-        drafter, _ = (model_loader or load_model)(args.drafter, args, "drafter")
-    if args.drafter_int8:
-        drafter = quantize_drafter(drafter)
+    drafter = load_drafter_option(args.drafter, target, args, args.drafter_int8, model_loader)
     return target, tokenizer, drafter, time.perf_counter() - start
 
 
@@ -149,7 +141,7 @@ def run(args, model_loader=None, prompt_loader=None) -> dict:
 
     Args:
         args: the parsed bench options.
-        model_loader: `(name, args, role) -> (model, tokenizer)` (default `bench.load_model`).
+        model_loader: `(name, args, role) -> (model, tokenizer)` (default `bench.load_on_device`).
         prompt_loader: `(dataset, limit) -> [Prompt]` (default: the bench's).
 
     Returns:
@@ -160,7 +152,7 @@ def run(args, model_loader=None, prompt_loader=None) -> dict:
 
     started = now()
     device, laspec, prompts, adaptive, spec_configs, levels = check_options(args, prompt_loader)
-    target, tokenizer, drafter, load_seconds = _load_models(args, laspec, model_loader)
+    target, tokenizer, drafter, load_seconds = _load_models(args, model_loader)
     block_size = getattr(getattr(drafter, "config", None), "block_size", None) if laspec else None
     chains, trees = fixed_structures(getattr(args, "fixed", None))
     methods, skipped = load_methods(laspec, adaptive, spec_configs, block_size, chains, trees,

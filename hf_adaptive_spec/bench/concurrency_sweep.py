@@ -7,8 +7,8 @@ from __future__ import annotations
 import collections
 from typing import Optional, Sequence
 
-from .batch_runs import (WARMUP_TOKENS, BatchRun, LoadMethod, decode_batch, encoder, eos_ids, left_pad,
-                         mismatched_rows, pad_id, prompt_id, show, step, structure_stats)
+from .batch_runs import (WARMUP_TOKENS, BatchRun, LoadMethod, decode_batch, encoder, eos_ids,
+                         mismatched_rows, pad_encodings, pad_id, prompt_id, show, step, structure_stats)
 from .report import describe
 from .stats import PLAIN, PLAIN_MODE
 
@@ -53,7 +53,7 @@ def run_load_sweep(target, tokenizer, drafter, prompts: Sequence, levels: Sequen
     records, level_info, warmup_errors = [], [], {}
     for index, level in enumerate(levels):
         encoded = [encode(i) for i in range(level)]
-        inputs = left_pad(encoded, pad_token_id)
+        inputs = pad_encodings(encoded, pad_token_id)
         level_info.append({"level": level, "prompt_ids": [prompt_id(prompts, i) for i in range(level)],
                            "prompt_tokens": [int(e["input_ids"].shape[1]) for e in encoded]})
         shift = index % len(methods)

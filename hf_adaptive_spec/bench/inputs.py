@@ -8,10 +8,11 @@ from typing import Optional
 import torch
 
 from .. import loading
-from ..chat_template import encode_chat
+from ..loading import encode_prompt
 from . import vision as bench_vision
 
-__all__ = ["bench_prompts", "default_prompt_loader", "encode_prompt", "load_model", "resolve_device"]
+__all__ = ["bench_prompts", "default_prompt_loader", "encode_prompt", "load_drafter_option", "load_on_device",
+           "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,12 +21,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(name: str, args, role: str) -> tuple:
+def load_on_device(name: str, args, role: str) -> tuple:
     """`(model, processor)` from a registry name, ``scenes-vlm-135m`` or a local HF folder
     (`loading.load_model`), on `args.device` with `args.dtype`; `role` names the option in an error."""
     model, processor = loading.load_model(name, args.dtype, progress=not getattr(args, "no_progress", False),
                                           option=f"--{role}")
     return model.to(resolve_device(args.device)), processor
+
+
+def load_drafter_option(name: str, target, args, int8: bool, model_loader=None):
+    """The drafter `name` of `--drafter` / `--baseline-drafter` (`loading.load_assistant`); an independent model
+    loads through `model_loader(name, args, "drafter")` (default `load_on_device`)."""
+    loader = model_loader or load_on_device
+    return loading.load_assistant(name, target, int8, model_loader=lambda other: loader(other, args, "drafter"))
 
 
 def default_prompt_loader(dataset: str, limit: Optional[int]) -> list:
@@ -47,27 +55,3 @@ def bench_prompts(args, prompt_loader=None) -> list:
     if not prompts:
         raise ValueError("no prompts to run.")
     return prompts
-
-
-def encode_prompt(processor, messages: list, device, image=None, dtype=None) -> dict:
-    """`{"input_ids", "attention_mask"}` `(1, T)` on `device`: `chat_template.encode_chat` of `messages`.
-
-    With an `image`, `processor` is a VLM's processor and every input it makes is returned, floating ones (pixel
-    values) in `dtype`.
-    """
-    if image is None:
-        encoded = encode_chat(processor, messages)
-        encoded = {key: encoded[key] for key in ("input_ids", "attention_mask") if key in encoded}
-    else:
-        encoded = encode_chat(processor, messages, [image])
-    inputs = {key: _to_device(value, device, dtype) for key, value in encoded.items()}
-    if inputs.get("attention_mask") is None:
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    return inputs
-
-
-def _to_device(value, device, dtype):
-    """A tensor on `device` (floating ones in `dtype`, when given); anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.to(device, dtype=dtype if dtype is not None and value.is_floating_point() else None)

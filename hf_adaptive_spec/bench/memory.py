@@ -138,7 +138,7 @@ def _load(spec: dict):
         torch.manual_seed(0)
         drafter = LaSpecDrafterModel(LaSpecDrafterConfig.for_target(target, num_hidden_layers=1)).eval()
     else:
-        drafter = loading.load_drafter(spec["drafter"], target, int8=False, dtype=spec["dtype"])
+        drafter = loading.load_assistant(spec["drafter"], target, int8=False, dtype=spec["dtype"])
     device = spec["device"]
     return target.to(device), drafter.to(device), text_tokenizer(processor)
 

@@ -52,9 +52,10 @@ import torch
 
 from .. import loading
 from ..chat_template import text_tokenizer
-from ..drafters.quantize import quantize_drafter
 from . import vision as bench_vision
-from .inputs import bench_prompts, default_prompt_loader, encode_prompt, load_model, resolve_device
+from .batch_runs import pad_id
+from .inputs import (bench_prompts, default_prompt_loader, encode_prompt, load_drafter_option, load_on_device,
+                     resolve_device)
 from .methods import GenerationRun, Method, build_methods, check_baseline_options, check_drafter_options, run_method
 from .options import DEFAULT_DRAFTER, DEFAULT_STOCK_BEST, DEFAULT_TARGET, add_arguments, check_run_options
 from .report import command_line, describe, environment, jsonable, now, print_summary, write_outputs
@@ -69,7 +70,8 @@ __all__ = [
     "add_arguments",
     "build_methods",
     "encode_prompt",
-    "load_model",
+    "load_drafter_option",
+    "load_on_device",
     "main",
     "run",
     "run_method",
@@ -127,12 +129,7 @@ def _load_baseline(args, target, model_loader):
     name = getattr(args, "baseline_drafter", None)
     if name is None:
         return None
-    if loading.is_laspec(name):
-        from ..drafters.hub import load_drafter
-
-        return load_drafter(name, target)
-    baseline, _ = model_loader(name, args, "drafter")
-    return quantize_drafter(baseline) if args.baseline_drafter_int8 else baseline
+    return load_drafter_option(name, target, args, args.baseline_drafter_int8, model_loader)
 
 
 def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optional[PromptLoader] = None) -> dict:
@@ -141,7 +138,7 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
     Args:
         args: the parsed options.
         model_loader: `(name, args, role) -> (model, processor or tokenizer)`, role "target" or "drafter"
-            (default `load_model`).
+            (default `load_on_device`).
         prompt_loader: `(dataset, limit) -> [Prompt]` (default `hf_adaptive_spec.registry.data.load_prompts`; scenes:
             `bench_vision.scene_prompts`).
 
@@ -158,26 +155,17 @@ def run(args, model_loader: Optional[ModelLoader] = None, prompt_loader: Optiona
         raise ValueError("--load-sweep / --arrivals run through `hf-adaptive-spec bench` "
                          "(hf_adaptive_spec.bench.concurrency.run).")
     device, laspec, prompts = _prelude(args, prompt_loader)
-    model_loader = model_loader or load_model
+    model_loader = model_loader or load_on_device
 
     load_start = time.perf_counter()
     target, processor = model_loader(args.target, args, "target")
     tokenizer = text_tokenizer(processor)
-    if laspec:  # a LaSpec drafter runs on the target's own states, embedding and LM head
-        from ..drafters.hub import load_drafter
-
-        drafter = load_drafter(args.drafter, target)
-    else:
-        drafter, _ = model_loader(args.drafter, args, "drafter")
-    if args.drafter_int8:
-        drafter = quantize_drafter(drafter)
+    drafter = load_drafter_option(args.drafter, target, args, args.drafter_int8, model_loader)
     drafters = {"main": drafter, "baseline": _load_baseline(args, target, model_loader)}
     load_seconds = time.perf_counter() - load_start
     stock_role = "baseline" if laspec and drafters["baseline"] is not None else "main"
     methods = build_methods(args, device, drafters[stock_role], stock_drafter_role=stock_role)
-    pad_token_id = getattr(tokenizer, "pad_token_id", None)
-    if pad_token_id is None:
-        pad_token_id = getattr(tokenizer, "eos_token_id", None)
+    pad_token_id = pad_id(tokenizer)
     encoded = [encode_prompt(processor, prompt.messages, target.device, getattr(prompt, "image", None), target.dtype)
                for prompt in prompts]
 

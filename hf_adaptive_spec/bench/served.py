@@ -43,8 +43,9 @@ from typing import Optional, Sequence
 from .. import traffic
 from ..chat_template import text_tokenizer
 from ..cost import SpecCalibration
+from ..serving.http_load import table_cell
 from .batch_runs import LoadMethod, load_methods
-from .report import command_line
+from .report import command_line, figure, save_figures
 
 OFF = "off"
 
@@ -191,10 +192,6 @@ def _record(method: LoadMethod, kind: str, rate: float, report: dict, off: Optio
     }
 
 
-def _cell(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def served_markdown(results: dict) -> str:
     """One table per arrival process: a row per (rate, method)."""
     setup = results["settings"]
@@ -213,11 +210,12 @@ def served_markdown(results: dict) -> str:
             latency, ttft, structure = run["latency_s"], run["ttft_s"], run["structure"]
             share = structure["plain_step_share"]
             label = run["method"] + (f" (pass {run['repeat'] + 1})" if passes > 1 else "")
+            cells = [latency["mean"], latency["p50"], latency["p90"], latency["p99"], ttft["mean"], ttft["p90"],
+                     structure["nodes_per_row_round"]]
             lines.append(
-                f"| {run['rate']:g} | {label} | {_cell(run['throughput_tok_s'], 1)} | "
-                f"{_cell(run['vs_off'])}x | {_cell(latency['mean'])} | {_cell(latency['p50'])} | "
-                f"{_cell(latency['p90'])} | {_cell(latency['p99'])} | {_cell(ttft['mean'])} | {_cell(ttft['p90'])} | "
-                f"{_cell(structure['nodes_per_row_round'])} | {'-' if share is None else f'{100 * share:.0f}%'} |")
+                f"| {run['rate']:g} | {label} | {table_cell(run['throughput_tok_s'], 1)} | "
+                f"{table_cell(run['vs_off'])}x | " + " | ".join(table_cell(value) for value in cells)
+                + f" | {'-' if share is None else f'{100 * share:.0f}%'} |")
         lines.append("")
     if passes > 1:
         lines += passes_table(results) + [""]
@@ -258,40 +256,41 @@ def passes_table(results: dict) -> list:
     return lines
 
 
-def write_plots(results: dict, out_dir: Path) -> list:
-    """Throughput and p90 latency against the arrival rate, one line per method and arrival process."""
-    try:
-        import matplotlib
+PLOT_FILES = {"throughput": "served_throughput.png", "latency": "served_latency.png"}
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    written = []
-    for key, ylabel, name in (("throughput_tok_s", "completion tokens / s", "served_throughput.png"),
-                              ("p90", "p90 end-to-end latency (s)", "served_latency.png")):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for kind in dict.fromkeys(run["arrivals"] for run in results["runs"]):
-            for method in dict.fromkeys(run["method"] for run in results["runs"]):
-                by_rate = {}  # the mean over passes
-                for run in results["runs"]:
-                    value = run[key] if key != "p90" else run["latency_s"]["p90"]
-                    if run["arrivals"] == kind and run["method"] == method and value is not None:
-                        by_rate.setdefault(run["rate"], []).append(value)
-                points = [(rate, sum(values) / len(values)) for rate, values in by_rate.items()]
-                if points:
-                    ax.plot(*zip(*points), marker="o", label=f"{method} ({kind})",
-                            linestyle="-" if kind == "poisson" else "--")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("arrival rate (requests / s)")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
-    return written
+
+def write_served_plots(results: dict, out_dir: Path) -> dict:
+    """Throughput and p90 latency against the arrival rate, one line per method and arrival process
+    (`report.save_figures`: ``{"files": {kind: filename}, "skipped": [reasons]}``)."""
+    makers = [("throughput", lambda: _plot_by_rate(results, lambda run: run["throughput_tok_s"],
+                                                   "completion tokens / s")),
+              ("latency", lambda: _plot_by_rate(results, lambda run: run["latency_s"]["p90"],
+                                                "p90 end-to-end latency (s)"))]
+    return save_figures(makers, out_dir, PLOT_FILES)
+
+
+def _plot_by_rate(results: dict, value_of, ylabel: str):
+    """One line per (method, arrival process): `value_of(run)` against the rate, the mean over passes."""
+    fig = figure(7, 4)
+    ax = fig.add_subplot(1, 1, 1)
+    runs = results["runs"]
+    for kind in dict.fromkeys(run["arrivals"] for run in runs):
+        for method in dict.fromkeys(run["method"] for run in runs):
+            by_rate = {}
+            for run in runs:
+                value = value_of(run)
+                if run["arrivals"] == kind and run["method"] == method and value is not None:
+                    by_rate.setdefault(run["rate"], []).append(value)
+            points = [(rate, sum(values) / len(values)) for rate, values in by_rate.items()]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"{method} ({kind})",
+                        linestyle="-" if kind == "poisson" else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("arrival rate (requests / s)")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
 def add_arguments(parser) -> None:
@@ -328,7 +327,7 @@ def run(args) -> int:
 
     import torch
 
-    from ..loading import is_laspec, load_drafter, load_model
+    from ..loading import is_laspec, load_assistant, load_model
     from ..serving.http_load import DEFAULT_PROMPTS, load_prompts
     from .concurrency_options import fixed_structures
     from .report import environment
@@ -344,7 +343,7 @@ def run(args) -> int:
     adaptive = args.strategies or (["laspec"] if laspec else ["sage"])
     target, processor = load_model(args.target)
     tokenizer = text_tokenizer(processor)
-    drafter = load_drafter(args.drafter, target, args.drafter_int8)
+    drafter = load_assistant(args.drafter, target, args.drafter_int8)
     block_size = getattr(getattr(drafter, "config", None), "block_size", None) if laspec else None
     methods = served_methods(laspec, adaptive, chains, trees, block_size)
     prompts = tuple(load_prompts(args.prompts)) if args.prompts else DEFAULT_PROMPTS
@@ -373,6 +372,6 @@ def run(args) -> int:
     (out_dir / "served.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     markdown = served_markdown(results)
     (out_dir / "served.md").write_text(markdown, encoding="utf-8")
-    write_plots(results, out_dir)
+    write_served_plots(results, out_dir)
     print(markdown)
     return 1 if results["failures"] else 0

@@ -338,7 +338,8 @@ def run_load(spec: LoadSpec) -> dict:
     return asyncio.run(run_load_async(spec))
 
 
-def _cell(value, digits: int = 2) -> str:
+def table_cell(value, digits: int = 2) -> str:
+    """A Markdown table cell: `value` with `digits` decimals, "-" for None."""
     return "-" if value is None else f"{value:.{digits}f}"
 
 
@@ -351,11 +352,12 @@ def markdown_table(reports: Sequence[dict]) -> str:
     for report in reports:
         settings, latency, ttft = report["settings"], report["latency_s"], report["ttft_s"]
         label = report.get("label") or settings.get("url")
+        cells = [latency["mean"], latency["p50"], latency["p90"], latency["p99"], ttft["mean"], ttft["p50"],
+                 ttft["p90"]]
         lines.append(
             f"| {label} | {settings['arrivals']} | {settings['rate']:g} | {report['requests']['ok']} / "
-            f"{report['requests']['total']} | {_cell(latency['mean'])} | {_cell(latency['p50'])} | "
-            f"{_cell(latency['p90'])} | {_cell(latency['p99'])} | {_cell(ttft['mean'])} | {_cell(ttft['p50'])} | "
-            f"{_cell(ttft['p90'])} | {_cell(report['throughput_tok_s'], 1)} | {_cell(report['requests_per_s'])} |")
+            f"{report['requests']['total']} | " + " | ".join(table_cell(value) for value in cells)
+            + f" | {table_cell(report['throughput_tok_s'], 1)} | {table_cell(report['requests_per_s'])} |")
     return "\n".join(lines)
 
 

@@ -23,7 +23,7 @@ class ServedModel:
         drafter: registry name, shipped LaSpec drafter or folder (None: strategy `plain`).
         strategy: None picks `plain` without a drafter, `laspec` for a LaSpec drafter, else `sage`.
         spec_config: the strategy's settings (a dict, as `generate` takes them).
-        dtype, drafter_int8: how the models load (`loading.load_model`, `loading.load_drafter`).
+        dtype, drafter_int8: how the models load (`loading.load_model`, `loading.load_assistant`).
         max_batch, max_queue: the engine's rows decoded together and requests waiting at most.
         threads: torch's intra-op threads (None: torch's default).
         prepare: compile the CPU kernel and measure the cost curve before serving.
@@ -90,14 +90,15 @@ class ServedModel:
         """Load the models and build the engine (not started): ``(engine, processor_or_tokenizer)``."""
         import torch
 
-        from ..loading import load_drafter, load_model
+        from ..loading import load_assistant, load_model
         from .engine import Engine
 
         if self.threads:
             torch.set_num_threads(self.threads)
         strategy = self.resolved_strategy()
         target, processor = load_model(self.target, self.dtype, option="--target")
-        drafter = None if self.drafter is None else load_drafter(self.drafter, target, self.drafter_int8, self.dtype)
+        drafter = None if self.drafter is None else load_assistant(self.drafter, target, self.drafter_int8,
+                                                                   self.dtype)
         if self.prepare:
             from ..decoding.prepare import prepare
 

@@ -269,7 +269,7 @@ def initialize_from(drafter, source) -> None:
 
 
 def _generate_eval(target, tokenizer, drafter, prompts, max_new_tokens: int) -> list:
-    from ..bench.inputs import encode_prompt
+    from ..loading import encode_prompt
 
     from .data import EncodedPrompt
 
