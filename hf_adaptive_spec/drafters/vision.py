@@ -30,14 +30,13 @@ import torch
 
 from .. import clock
 from .. import ops
-from ..adapters.attention import CAPTURE_ATTENTION, recording_queries, register_tree_attention, switched_attention
+from ..adapters.attention import CAPTURE_ATTENTION, recording_queries, switched_attention
 
 __all__ = [
     "CAPTURE_ATTENTION",
     "VisualKeyStore",
     "select_visual_tokens",
     "QueryCapture",
-    "register_capture_attention",
 ]
 
 
@@ -227,15 +226,6 @@ def select_visual_tokens(
 
 
 # --------------------------------------------------------------------------- query capture
-
-
-def register_capture_attention() -> str:
-    """Register the attention queries are captured through (`attention.TREE_SDPA`, with sdpa's mask); idempotent.
-
-    The mask registration is required: without it the model builds no mask for this implementation, sdpa
-    falls back to `is_causal`, and multi-token (padded or tree) forwards are silently wrong.
-    """
-    return register_tree_attention()
 
 
 def _text_attention_modules(model) -> dict[int, int]:

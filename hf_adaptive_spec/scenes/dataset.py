@@ -30,7 +30,7 @@ import zipfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 __all__ = [
     "COLORS",
@@ -213,16 +213,3 @@ def scene_messages(request: str, answer: Optional[str] = None) -> list:
     if answer is not None:
         messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
     return messages
-
-
-def scene_path_prompts(scenes: list, folder: Union[str, Path]) -> list:
-    """Write each scene's image as PNG under `folder` and return ``[{"image", "prompt", "id"}]`` rows (the
-    ``--image-prompts`` format of ``train-drafter``) asking for each scene's description."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for scene in scenes:
-        name = scene.id.replace("/", "_") + ".png"
-        scene.image.save(folder / name)
-        rows.append({"image": name, "prompt": DESCRIBE_REQUEST, "id": scene.id})
-    return rows

@@ -84,10 +84,6 @@ class TargetModules:
             )
         return embedding, lm_head
 
-    def detach_target(self) -> None:
-        """Drop the references to the target's modules."""
-        self.__dict__["_target_modules"] = None
-
     def _target_pair(self):
         """The target's (embedding, lm_head): those of the calling context's decoding call (`attached_for_call`),
         else those set by `attach_target`, else None."""
