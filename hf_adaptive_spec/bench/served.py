@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 from .. import traffic
 from ..chat_template import text_tokenizer
 from ..cost import SpecCalibration
-from ..serving.http_load import table_cell
+from ..serving.http_load import table_cell, table_row
 from .batch_runs import LoadMethod, load_methods
 from .report import command_line, figure, save_figures
 
@@ -210,12 +210,11 @@ def served_markdown(results: dict) -> str:
             latency, ttft, structure = run["latency_s"], run["ttft_s"], run["structure"]
             share = structure["plain_step_share"]
             label = run["method"] + (f" (pass {run['repeat'] + 1})" if passes > 1 else "")
-            cells = [latency["mean"], latency["p50"], latency["p90"], latency["p99"], ttft["mean"], ttft["p90"],
-                     structure["nodes_per_row_round"]]
-            lines.append(
-                f"| {run['rate']:g} | {label} | {table_cell(run['throughput_tok_s'], 1)} | "
-                f"{table_cell(run['vs_off'])}x | " + " | ".join(table_cell(value) for value in cells)
-                + f" | {'-' if share is None else f'{100 * share:.0f}%'} |")
+            measured = (latency["mean"], latency["p50"], latency["p90"], latency["p99"], ttft["mean"], ttft["p90"],
+                        structure["nodes_per_row_round"])
+            lines.append(table_row([f"{run['rate']:g}", label, table_cell(run["throughput_tok_s"], 1),
+                                    table_cell(run["vs_off"]) + "x", *map(table_cell, measured),
+                                    "-" if share is None else f"{100 * share:.0f}%"]))
         lines.append("")
     if passes > 1:
         lines += passes_table(results) + [""]

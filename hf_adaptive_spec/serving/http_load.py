@@ -343,6 +343,11 @@ def table_cell(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def table_row(cells: Sequence[str]) -> str:
+    """A Markdown table row of `cells`."""
+    return "| " + " | ".join(cells) + " |"
+
+
 def markdown_table(reports: Sequence[dict]) -> str:
     """One row per report: label, arrivals, rate, answered / total, latency mean / p50 / p90 / p99 (s),
     TTFT mean / p50 / p90 (s), completion tokens per second, requests per second."""
@@ -352,12 +357,12 @@ def markdown_table(reports: Sequence[dict]) -> str:
     for report in reports:
         settings, latency, ttft = report["settings"], report["latency_s"], report["ttft_s"]
         label = report.get("label") or settings.get("url")
-        cells = [latency["mean"], latency["p50"], latency["p90"], latency["p99"], ttft["mean"], ttft["p50"],
-                 ttft["p90"]]
-        lines.append(
-            f"| {label} | {settings['arrivals']} | {settings['rate']:g} | {report['requests']['ok']} / "
-            f"{report['requests']['total']} | " + " | ".join(table_cell(value) for value in cells)
-            + f" | {table_cell(report['throughput_tok_s'], 1)} | {table_cell(report['requests_per_s'])} |")
+        seconds = (latency["mean"], latency["p50"], latency["p90"], latency["p99"], ttft["mean"], ttft["p50"],
+                   ttft["p90"])
+        lines.append(table_row([str(label), settings["arrivals"], f"{settings['rate']:g}",
+                                f"{report['requests']['ok']} / {report['requests']['total']}",
+                                *map(table_cell, seconds), table_cell(report["throughput_tok_s"], 1),
+                                table_cell(report["requests_per_s"])]))
     return "\n".join(lines)
 
 
