@@ -273,7 +273,8 @@ def controller_env() -> dict:
 
 def start_serve(host: str = "127.0.0.1", port: int = 8000):
     """``serve.start`` with the proxy on `host`:`port` and `ReplicaFailureMiddleware` in it (through the
-    controller's environment, `controller_env`: with time for a slow proxy's checks). A cluster whose Serve runs already keeps its own settings.
+    controller's environment, `controller_env`: with time for a slow proxy's checks). A cluster whose Serve
+    runs already keeps its own settings.
 
     Serve waits 60 s for its proxy to be ready, then raises; on a busy machine the proxy's process (which
     imports this package, torch and transformers for the middleware) can take longer. The controller keeps
