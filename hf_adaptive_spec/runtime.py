@@ -28,7 +28,7 @@ class RuntimeConfig:
             (`adapters.lean`; bitwise the same logits); None (default): on, unless `lean.use_lean_forward(False)` is
             in force.
         host_trees (`bool`, defaults to True): a LaSpec block drafter at batch 1 (greedy, no processors) builds its
-            tree with host lists (`drafters.host_tree`: the same tree).
+            tree with host lists (`trees.host`: the same tree).
         retire_rows (`bool`, defaults to True): at batch > 1, rows that finished leave the batch between rounds
             (their cache and state are dropped; the output is assembled as before), so the forwards of the rows
             still decoding no longer carry them. Not with logits processors that read a row's index in the batch.

@@ -13,7 +13,7 @@ from transformers import AutoModel
 import hf_adaptive_spec  # noqa: F401  (registers the Auto classes)
 from hf_adaptive_spec.cost import LookupCalibrator
 from hf_adaptive_spec.drafters.datastore import DATASTORE_FILE, TokenDatastore
-from hf_adaptive_spec.drafters.lookup import MAX_LOOKUP_CODE, STORE_CODE_OFFSET, lookup_code, store_code
+from hf_adaptive_spec.trees.branches import MAX_LOOKUP_CODE, STORE_CODE_OFFSET, lookup_code, store_code
 
 
 def _reference(sequences, row, min_ngram, max_ngram, num_tokens):

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from hf_adaptive_spec.cost.pauses import DraftingPauses
 from hf_adaptive_spec.drafters.laspec import LaSpecDrafterConfig, LaSpecDrafterModel
 from hf_adaptive_spec.serving.engine import Engine, EngineStopped, QueueFull, Request
 from tiny_models import build_drafter, build_model, make_inputs, split_rows
@@ -264,18 +265,17 @@ def test_the_pause_verdicts_outlive_the_batches(monkeypatch):
     """The engine keeps whether drafting pays at each batch size across its batches (`keep_pauses`): a verdict
     learned in one batch (timings injected: drafted rounds slower than root-only ones) pauses the next batch of
     that size from its first round, after the first batch closed."""
-    from hf_adaptive_spec.cost import model as cost_model
 
     target = build_model("llama")
     drafter = _drafter("llama", target, "laspec")
     engine = Engine(target, drafter, strategy="laspec", max_batch=2).start()
     assert engine.calibration.keep_pauses and engine.calibration.cost_profile is None  # timed: no fixed curve set
-    observed = cost_model.CostModel.observe_rate
-    monkeypatch.setattr(cost_model.CostModel, "observe_rate",  # drafted: 2 s a token, root-only: 1 s
+    observed = DraftingPauses.observe_rate
+    monkeypatch.setattr(DraftingPauses, "observe_rate",  # drafted: 2 s a token, root-only: 1 s
                         lambda self, drafted, seconds, tokens: observed(self, drafted, 2.0 if drafted else 1.0, 1))
     decisions = []
-    decide = cost_model.CostModel.pause_drafting
-    monkeypatch.setattr(cost_model.CostModel, "pause_drafting",
+    decide = DraftingPauses.pause_drafting
+    monkeypatch.setattr(DraftingPauses, "pause_drafting",
                         lambda self, active_rows=None: decisions.append(decide(self, active_rows)) or decisions[-1])
     row = _requests("llama", with_image=False)[1]
     first = engine.submit(Request(input_ids=row["input_ids"][0], max_new_tokens=24))

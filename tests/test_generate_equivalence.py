@@ -175,7 +175,7 @@ def test_nothing_below_a_drafted_eos_is_drafted_or_verified(monkeypatch, strateg
 
 
 def test_below_stop_marks_every_descendant_of_a_drafted_stop_token():
-    from hf_adaptive_spec.drafters.tree import DraftTree
+    from hf_adaptive_spec.trees import DraftTree
 
     # row 0: root 5 -> 7 -> 2 (stop) -> 8 -> 9, and 7 -> 4; row 1: root 2 (committed, not drafted) -> 3 -> 2 (leaf)
     tokens = torch.tensor([[5, 7, 2, 4, 8, 9], [2, 3, 2, 0, 0, 0]])

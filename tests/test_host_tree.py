@@ -9,8 +9,8 @@ from hf_adaptive_spec import LaSpecDrafterConfig, LaSpecDrafterModel
 from hf_adaptive_spec.cost import Calibration, CostModel, CostProfile
 from hf_adaptive_spec.drafters.datastore import TokenDatastore
 from hf_adaptive_spec.drafters import block as block_module
-from hf_adaptive_spec.drafters import host_tree
-from hf_adaptive_spec.drafters.lookup import MAX_LOOKUP_CODE, context_lookup
+from hf_adaptive_spec.trees import host as host_tree
+from hf_adaptive_spec.trees.branches import MAX_LOOKUP_CODE, context_lookup
 from hf_adaptive_spec.strategies import resolve_config
 from hf_adaptive_spec.cost.planning import DepthAcceptance, RoundPlanner
 from hf_adaptive_spec.strategies.chain import ChainStrategy
@@ -47,10 +47,10 @@ def _draw(state, strategy, scores, max_depth, context, host):
 
 
 def _spy(monkeypatch, name: str) -> list:
-    """The calls of `block.<name>` (a host_tree builder), counted."""
+    """The calls of `trees.host.<name>` (a host-backend builder), counted."""
     built = []
     original = getattr(host_tree, name)
-    monkeypatch.setattr(block_module, name, lambda *a: built.append(1) or original(*a))
+    monkeypatch.setattr(host_tree, name, lambda *a: built.append(1) or original(*a))
     return built
 
 

@@ -193,21 +193,21 @@ def test_top_k_once_per_depth_builds_the_per_node_tree(strategy, draft_vocabular
     drafter = _drafter(target, seed=3)
     if draft_vocabulary:
         drafter.set_draft_vocabulary(torch.arange(0, 128, 2))
-    original = block_module.BlockDrafter._draft_tree
+    original = block_module.BlockDrafter.draft
     compared = []
 
-    def both(self, strategy_object, process, max_depth, sample, generator):
+    def both(self, strategy_object, process, max_depth, sample=False, generator=None, committed=None, **_):
         assert process is None  # no logits processors in this generate call
         self.host_trees = False  # both by tensors (a lone row's host-built trees: tests/test_host_tree.py)
-        per_node = original(self, strategy_object, lambda logits, *_: logits, max_depth, sample, generator)
-        shared = original(self, strategy_object, None, max_depth, sample, generator)
+        per_node = original(self, strategy_object, lambda logits, *_: logits, max_depth, sample, generator, committed)
+        shared = original(self, strategy_object, None, max_depth, sample, generator, committed)
         for name in ("tokens", "parents", "valid"):
             assert torch.equal(getattr(shared, name), getattr(per_node, name)), name
         torch.testing.assert_close(shared.probs, per_node.probs)
         compared.append(shared.tokens.shape[1])
         return shared
 
-    monkeypatch.setattr(block_module.BlockDrafter, "_draft_tree", both)
+    monkeypatch.setattr(block_module.BlockDrafter, "draft", both)
     expected = target.generate(**inputs, max_new_tokens=16, do_sample=False)
     config = {"laspec": {"verify_cost": False, "top_k": 3, "n_max": 10}, "sage": None, "chain": None}[strategy]
     out = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=drafter,

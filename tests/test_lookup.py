@@ -9,8 +9,8 @@ from tiny_models import build_model, make_inputs
 
 from hf_adaptive_spec.cost import AcceptanceCalibrator, CostModel, CostProfile, LookupCalibrator
 from hf_adaptive_spec.drafters.laspec import LaSpecDrafterConfig, LaSpecDrafterModel
-from hf_adaptive_spec.drafters.lookup import add_chain, context_lookup
-from hf_adaptive_spec.drafters.tree import DraftTree
+from hf_adaptive_spec.trees.branches import add_chain, context_lookup
+from hf_adaptive_spec.trees import DraftTree
 
 
 def _reference(row: list, max_ngram: int, num_tokens: int, min_ngram: int = 1):

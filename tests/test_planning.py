@@ -12,7 +12,7 @@ import torch
 from hf_adaptive_spec import SageConfig, cost
 from hf_adaptive_spec.cost import CostProfile
 from hf_adaptive_spec.cost.planning import DepthAcceptance, RoundPlanner, level_widths, sibling_ranks
-from hf_adaptive_spec.drafters.tree import DraftTree
+from hf_adaptive_spec.trees import DraftTree
 from hf_adaptive_spec.strategies.sage import SageStrategy
 from hf_adaptive_spec.strategies.static_tree import candidate_shapes, default_tree_paths
 from tiny_models import build_drafter, build_model, make_inputs

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, Tem
 
 from hf_adaptive_spec import ChainConfig, LaSpecDrafterConfig, LaSpecDrafterModel, SageConfig, StaticTreeConfig
 from hf_adaptive_spec.decoding import acceptance
-from hf_adaptive_spec.drafters.tree import DraftTree
+from hf_adaptive_spec.trees import DraftTree
 from tiny_models import build_drafter, build_model, make_inputs
 
 VOCAB = 8

@@ -8,12 +8,13 @@ import torch
 from hf_adaptive_spec.strategies import (
     ChainConfig,
     ChainStrategy,
-    Frontier,
     SageConfig,
     SageStrategy,
     StaticTreeConfig,
     StaticTreeStrategy,
 )
+from hf_adaptive_spec.trees.levels import Frontier
+from hf_adaptive_spec.trees.selection import shape_tables
 
 CPU = torch.device("cpu")
 
@@ -54,51 +55,51 @@ def test_sage_previous_root_plans_the_next_round():
 
 def test_sage_children_counts_follow_eq_12():
     sage = _sage(alpha_source="current_root", alpha_init=0.0)
-    sage.on_root(_logits_with_alpha([0.0, 0.0]))  # W = 10, D = 3
+    select = sage.on_root(_logits_with_alpha([0.0, 0.0])).selector(2, CPU)  # W = 10, D = 3
     k = 10
     root = Frontier(probs=torch.ones(2, 1), cum_probs=torch.ones(2, 1), valid=torch.ones(2, 1, dtype=torch.bool))
-    take, _ = sage.select(1, root, torch.full((2, 1, k), 0.09))
+    take, _ = select(1, root, torch.full((2, 1, k), 0.09))
     assert take.sum(-1).tolist() == [[10], [10]]
     # level 2: W_2 = 10 * (1/2) * (0.5 + P_parent)
     parents = Frontier(probs=torch.tensor([[0.9, 0.1], [0.5, 0.3]]), cum_probs=torch.full((2, 2), 0.5),
                        valid=torch.ones(2, 2, dtype=torch.bool))
-    take, _ = sage.select(2, parents, torch.full((2, 2, k), 0.05))
+    take, _ = select(2, parents, torch.full((2, 2, k), 0.05))
     expected = [[round(10 * 0.5 * (0.5 + p)) for p in row] for row in [[0.9, 0.1], [0.5, 0.3]]]
     assert take.sum(-1).tolist() == expected
 
 
 def test_sage_node_budget_keeps_the_most_probable():
     sage = _sage(alpha_source="current_root", n_max=3)
-    sage.on_root(_logits_with_alpha([0.0, 0.0]))
+    select = sage.on_root(_logits_with_alpha([0.0, 0.0])).selector(2, CPU)
     root = Frontier(probs=torch.ones(2, 1), cum_probs=torch.ones(2, 1), valid=torch.ones(2, 1, dtype=torch.bool))
     probs = torch.tensor([0.3, 0.25, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.005, 0.005]).expand(2, 1, -1)
-    take, _ = sage.select(1, root, probs)
+    take, _ = select(1, root, probs)
     assert take[0, 0].tolist() == [True, True, True] + [False] * 7
-    take, _ = sage.select(2, root, probs)  # the budget is spent for this round
+    take, _ = select(2, root, probs)  # the budget is spent for this round
     assert not bool(take.any())
 
 
 def test_sage_expansion_threshold_uses_cumulative_probability():
     sage = _sage(alpha_source="current_root", theta_scale=0.1, expand_rule="cumulative")
-    sage.on_root(_logits_with_alpha([1.0, 1.0]))  # D = 8: theta_2 = 0.1 * 2 / 8 = 0.025
+    select = sage.on_root(_logits_with_alpha([1.0, 1.0])).selector(2, CPU)  # D = 8: theta_2 = 0.1 * 2 / 8 = 0.025
     parent = Frontier(probs=torch.full((2, 1), 0.04), cum_probs=torch.full((2, 1), 0.04),
                       valid=torch.ones(2, 1, dtype=torch.bool))
     probs = torch.tensor([0.9, 0.1] + [0.0] * 8).expand(2, 1, -1)
-    take, expand = sage.select(2, parent, probs)
+    take, expand = select(2, parent, probs)
     assert take[0, 0, :1].tolist() == [True]
     assert expand[0, 0, :1].tolist() == [True]  # cumulative 0.036 > 0.025
     parent.cum_probs = torch.full((2, 1), 0.02)
-    _, expand = sage.select(2, parent, probs)
+    _, expand = select(2, parent, probs)
     assert expand[0, 0, :1].tolist() == [False]  # cumulative 0.018 < 0.025
 
 
 def test_sage_node_rule_uses_the_node_probability():
     sage = _sage(alpha_source="current_root", theta_scale=0.4, expand_rule="node", d_min=2, d_max=4)
-    sage.on_root(_logits_with_alpha([1.0, 1.0]))  # D = 4: theta_2 = 0.4 * 2 / 4 = 0.2
+    select = sage.on_root(_logits_with_alpha([1.0, 1.0])).selector(2, CPU)  # D = 4: theta_2 = 0.4 * 2 / 4 = 0.2
     parent = Frontier(probs=torch.full((2, 1), 0.9), cum_probs=torch.full((2, 1), 0.01),
                       valid=torch.ones(2, 1, dtype=torch.bool))
     probs = torch.tensor([0.3, 0.15] + [0.0] * 8).expand(2, 1, -1)
-    take, expand = sage.select(2, parent, probs)
+    take, expand = select(2, parent, probs)
     assert expand[0, 0, :2].tolist() == [True, False]  # 0.3 > 0.2 > 0.15, whatever the path probability
 
 
@@ -136,7 +137,7 @@ def test_chain_length_adapts_per_row():
         chain.observe(torch.tensor([0, 100]), torch.ones(2, dtype=torch.bool))
     assert chain.length.tolist() == [1, 8]  # CPU bounds 1..8
     root = Frontier(probs=torch.ones(2, 1), cum_probs=torch.ones(2, 1), valid=torch.ones(2, 1, dtype=torch.bool))
-    take, expand = chain.select(1, root, torch.ones(2, 1, 1))
+    take, expand = chain.on_root(None).selector(2, CPU)(1, root, torch.ones(2, 1, 1))
     assert take.flatten().tolist() == [True, True] and expand.flatten().tolist() == [False, True]
 
 
@@ -144,12 +145,17 @@ def test_static_tree_tables_follow_the_paths():
     paths = [(0,), (1,), (2,), (0, 0), (0, 1), (2, 0), (0, 0, 0)]
     static = StaticTreeStrategy(StaticTreeConfig(paths=paths).resolve(CPU), batch_size=1, device=CPU)
     assert static.max_children == 3
-    assert static.take[0].tolist() == [[True, True, True]]
-    assert static.expand[0].tolist() == [[True, False, True]]
+    takes, expands = shape_tables(paths, static.max_children, CPU)
+    assert takes[0].tolist() == [[True, True, True]]
+    assert expands[0].tolist() == [[True, False, True]]
     # level 2 frontier: (0,), (2,) in order
-    assert static.take[1].tolist() == [[True, True, False], [True, False, False]]
-    assert static.expand[1].tolist() == [[True, False, False], [False, False, False]]
-    assert static.take[2].tolist() == [[True, False, False]]
+    assert takes[1].tolist() == [[True, True, False], [True, False, False]]
+    assert expands[1].tolist() == [[True, False, False], [False, False, False]]
+    assert takes[2].tolist() == [[True, False, False]]
+    # the strategy selects by them: level 2 over that frontier
+    frontier = Frontier(probs=torch.ones(1, 2), cum_probs=torch.ones(1, 2), valid=torch.ones(1, 2, dtype=torch.bool))
+    take, expand = static.on_root(None).selector(1, CPU)(2, frontier, torch.ones(1, 2, 3))
+    assert take[0].tolist() == takes[1].tolist() and expand[0].tolist() == expands[1].tolist()
 
 
 def test_sage_confidence_reference_matches_formula():

@@ -116,8 +116,8 @@ def verified_nodes(tree, target_choice: torch.Tensor) -> tuple[torch.Tensor, tor
 
 @dataclass
 class PauseState:
-    """What the pausing of drafting (`CostModel.pause_drafting`) knows at one batch size: the running seconds and
-    tokens of drafted rounds and of rounds that verified the root alone, and where the pause stands."""
+    """What the pausing of drafting (`DraftingPauses.pause_drafting`) knows at one batch size: the running seconds
+    and tokens of drafted rounds and of rounds that verified the root alone, and where the pause stands."""
 
     drafted: list = field(default_factory=lambda: [0.0, 0.0])  # seconds, tokens (running sums)
     plain: list = field(default_factory=lambda: [0.0, 0.0])
@@ -165,8 +165,8 @@ class SpecCalibration:
     `spec_calibration` such a fixed curve (`flat`: every size costs the same, so every node that can be
     accepted is kept; or the path of a JSON file `{"sizes": [...], "seconds": [...]}`).
 
-    With `keep_pauses=True` whether drafting pays at each batch size (`CostModel.pause_drafting`) is kept across
-    calls too: what a serving engine wants, whose batches open and close with the load while the load decides.
+    With `keep_pauses=True` whether drafting pays at each batch size (`DraftingPauses.pause_drafting`) is kept
+    across calls too: what a serving engine wants, whose batches open and close with the load while the load decides.
     By default each call judges it afresh from its own rounds: one hard prompt must not pause the next one's
     drafting.
 

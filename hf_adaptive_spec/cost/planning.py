@@ -19,6 +19,8 @@ from functools import lru_cache
 
 import torch
 
+from ..trees.tree import one_cpu_row
+
 __all__ = ["DepthAcceptance", "RoundPlanner", "level_widths", "sibling_ranks"]
 
 
@@ -90,7 +92,7 @@ class DepthAcceptance:
     def observe(self, tree, target_choice: torch.Tensor, path_index: torch.Tensor, alpha: torch.Tensor) -> None:
         """Learn from one verified tree: its nodes whose parent the target accepted (on the accepted path
         `path_index` `(B, D + 1)`, root first), right or not, under each row's `alpha` `(B,)`."""
-        if tree.tokens.shape[0] == 1 and tree.tokens.device.type == "cpu" and bool(tree.valid.all()):
+        if one_cpu_row(tree):
             self._observe_row(tree.tokens[0].tolist(), tree.parents[0].tolist(), tree.depths[0].tolist(),
                               target_choice[0].tolist(), set(path_index[0].tolist()), float(alpha[0]))
             return

@@ -70,7 +70,7 @@ class DraftPricing:
 
         Args:
             survival (`torch.Tensor` of shape `(B, W)`): pi of the level's children (`survival`).
-            level (`drafters.levels.Level`): the level, with the children to expand.
+            level (`trees.levels.Level`): the level, with the children to expand.
             tree_width (`int`): nodes the tree holds so far, this level included (the verification width).
         """
         grow_survival = survival.gather(1, level.grow) * level.grow_valid

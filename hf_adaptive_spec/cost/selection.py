@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..strategies.base import descending_rank
+from ..trees.levels import descending_rank
 from .profile import between
 
 __all__ = ["choose_nodes", "choose_prefix", "choose_prefix_host", "survival"]

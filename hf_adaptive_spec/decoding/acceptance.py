@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafters.tree import DraftTree
+from ..trees import DraftTree
 from .randomness import RowRandom
 
 

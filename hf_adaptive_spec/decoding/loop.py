@@ -23,7 +23,6 @@ from .acceptance import sample_accept
 from ..adapters.attention import tree_attention
 from ..adapters.compat import cache_from_kwargs, check_cache, check_model, check_pair
 from ..cost import CostModel, DraftPricing, SpecCalibration, verifier_cost_profile
-from ..cost.planning import DepthAcceptance, RoundPlanner
 from ..drafters.base import TargetPrefill, VerifiedRound
 from ..drafters.factory import make_drafter
 from .final_cache import CACHE_FIELD, commit_last_round, returned_cache
@@ -240,8 +239,7 @@ class Decoding:
     def start_rounds(self) -> None:
         """The strategy, and the cost rule when the strategy is cost-aware (greedy; not under tensor
         parallelism: its choices follow each rank's own timings, and every rank must verify the same tree)."""
-        self.strategy = self.strategy_class(self.config, self.batch_size, self.device)
-        self.strategy.sampling = self.do_sample
+        self.strategy = self.strategy_class(self.config, self.batch_size, self.device, sampling=self.do_sample)
         if (bool(self.finished.all()) or not self.strategy.cost_aware or self.do_sample
                 or tensor_parallel(self.model, self.assistant_model)):
             return
@@ -258,30 +256,9 @@ class Decoding:
                               timed=not fixed, rows=self.batch_size, packed=self.target.lean, pauses=pauses)
         if self.drafter.prices_levels and self.cost.live_scale:  # drafting is priced too (host times are real)
             self.pricing = DraftPricing(self.cost)
-        if self.strategy.plans:
-            self.strategy.plan_with(self._planner())
+        self.strategy.use_cost(self.cost, self.pricing, self.drafter.max_depth)
         self.stats.time_profile += self.clock.lap()
         self.stats.time_setup += self.stats.time_profile
-
-    def _planner(self) -> RoundPlanner:
-        """The round planner over the strategy's candidate shapes: the target's acceptance per depth (learned in
-        earlier calls of this pair and setting when a `SpecCalibration` carries them), verification on the cost
-        curve, drafter levels at their measured time (none for a drafter that drafts every depth in one
-        forward)."""
-        shapes = self.strategy.candidate_shapes(self.drafter.max_depth)
-        depth = max(len(p) for shape in shapes for p in shape)
-        ranks = max(max(p) for shape in shapes for p in shape) + 1
-        cost, pricing = self.cost, self.pricing
-        depths = cost.calibration.depths
-        if depths is None or depths.accepted.shape[1:] != (depth, ranks):
-            depths = cost.calibration.depths = DepthAcceptance(depth, ranks)
-
-        def verify_seconds(nodes: int) -> float:
-            table = cost.host_table
-            return cost.scale * table[min(nodes, len(table) - 1)]
-
-        level_seconds = pricing.draft_seconds if pricing is not None else (lambda width: 0.0)
-        return RoundPlanner(shapes, depths, verify_seconds, level_seconds)
 
     def _cost_profile(self):
         """The verifier's cost curve for the batch as it is now (a fixed one if the calibration carries it)."""
@@ -312,21 +289,13 @@ class Decoding:
             round_seconds = clock.now() - round_start
             tokens = accepted.counts.sum()
             self.cost.observe(tree, accepted.choice, round_seconds, tokens, verify_seconds)  # greedy: choice set
-            if self.strategy.plans and not paused:
-                self._observe_plan(tree, accepted, round_seconds, verify_seconds)
+            if not paused:
+                self.strategy.observe_priced(tree, accepted.choice, accepted.path_index, round_seconds, verify_seconds)
             if self.drafter.may_pause and self.cost.live_scale:  # host times are real (CPU): reading costs nothing
-                self.cost.observe_rate(not paused, round_seconds, int(tokens))
+                self.cost.pauses.observe_rate(not paused, round_seconds, int(tokens))
         if self.retired is not None and finished and finished >= RetiredRows.LEAVE_AT * self.batch_size:
             self._retire()
         return result
-
-    def _observe_plan(self, tree, accepted: "_Accepted", round_seconds: float, verify_seconds: float) -> None:
-        """What a planned round teaches its planner: the target's acceptance per depth, the round's time."""
-        planner = self.strategy.planner
-        planner.observe(tree, accepted.choice, accepted.path_index, self.strategy.alpha)
-        levels = self.pricing.take_round_levels() if self.pricing is not None else 0.0
-        if self.cost.timed:  # a fixed curve prices rounds as given (`SpecCalibration(cost_profile=...)`)
-            planner.observe_round(round_seconds, levels, verify_seconds)
 
     def _retire(self) -> None:
         """Finished rows leave the batch (once they are `RetiredRows.LEAVE_AT` of it: each exit copies the
@@ -414,7 +383,7 @@ class Decoding:
         max_depth = torch.where(active, max_depth, 0)
         model_time = drafter.model_time
         paused = (drafter.may_pause and self.strategy.may_pause and self.cost is not None
-                  and self.cost.pause_drafting(int(active.sum()) if self.cost.live_scale else None))
+                  and self.cost.pauses.pause_drafting(int(active.sum()) if self.cost.live_scale else None))
         if paused:  # drafting does not pay on this text now: verify the root alone (a plain step)
             tree = drafter.root_tree()
             self.stats.paused_rounds += 1
@@ -443,7 +412,7 @@ class Decoding:
         kept = tree.num_drafted() * active
         self.trace.pruned += (drafted * active).sum() - kept.sum()
         if self.drafter.may_pause and self.cost.live_scale:  # host values are free on a CPU
-            self.cost.observe_trim(int(kept.sum()))
+            self.cost.pauses.observe_trim(int(kept.sum()))
         self.stats.time_tree += self.clock.lap()
         return tree
 

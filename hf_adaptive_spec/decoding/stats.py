@@ -37,7 +37,8 @@ class SpecStats:
         unpaid_levels: draft levels an independent drafter did not expand because they would not pay for the
             drafter forward and the verification they add (`cost.DraftPricing`; cost-aware strategies, CPU).
         paused_rounds: rounds that verified the root alone because drafting was not paying on this text (a
-            drafter that `may_pause`, with the cost rule on a CPU; `CostModel.pause_drafting`); counted in `rounds`.
+            drafter that `may_pause`, with the cost rule on a CPU; `DraftingPauses.pause_drafting`); counted in
+            `rounds`.
         time_visual: seconds spent selecting visual tokens for a LaSpec drafter (int8 keys at the prefill, the
             score-and-vote each round); `time_visual / rounds` is the per-round selection cost.
         retired_rows: rows that finished and left the batch before the call ended (`retire_rows`).

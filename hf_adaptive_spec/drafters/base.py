@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import DraftTree
+from ..trees import DraftTree, build
 
 __all__ = ["Drafter", "TargetPrefill", "VerifiedRound"]
 
@@ -117,7 +117,8 @@ class Drafter:
         """One round's tree; node 0 is the pending root.
 
         Args:
-            strategy (`Strategy`): decides which candidates enter and grow.
+            strategy (`Strategy`): decides which candidates enter and grow (its `on_root` gives the round's
+                selection, read by `trees.build`).
             process (callable or None): `process(logits (B, X, V), paths (B, X, D), depths (B, X), valid (B, X))`
                 applies generate's logits processors with each node's own prefix; None when there are none.
             max_depth (`(B,)`): deepest level each row may draft (0: the row drafts nothing).
@@ -133,10 +134,7 @@ class Drafter:
 
     def root_tree(self) -> DraftTree:
         """A tree of the pending root alone: a round that verifies one token (drafting paused)."""
-        root = self.root[:, None]
-        ones, none = torch.ones_like(root, dtype=torch.float32), torch.full_like(root, -1)
-        return DraftTree(tokens=root, parents=none, valid=torch.ones_like(root, dtype=torch.bool), probs=ones,
-                         cum_probs=ones, depths=torch.zeros_like(root), drafter_slot=none, num_levels=0)
+        return build(self.root)
 
     def verify_scope(self):
         """A context manager entered around the target's verification forward."""

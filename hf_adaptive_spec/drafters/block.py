@@ -25,12 +25,8 @@ from contextlib import nullcontext
 import torch
 
 from .. import clock
-from .lookup import add_chain, context_lookup, lookup_code, store_code
-from ..strategies import Frontier
-from .tree import DraftTree, TreeBuilder
+from ..trees import Committed, ContextBranch, DraftTree, PerDepth, PerNode, StoreBranch, build
 from .base import Drafter, TargetPrefill, VerifiedRound
-from .host_tree import budget_tree, latest_match, shape_tree
-from .levels import choose_level
 from ..adapters.attention import text_attention
 from ..adapters.compat import text_config
 from ..adapters.runner import left_pad
@@ -79,13 +75,13 @@ class BlockDrafter(Drafter):
         num_visual_tokens (`int`, *optional*): M, visual tokens selected per round (default: the drafter's
             `config.num_visual_tokens`; 0 disables the visual branch).
         context_lookup (`int`): longest suffix matched for the context-lookup branch added to every greedy
-            tree (`hf_adaptive_spec.drafters.lookup`; 0 = none).
+            tree (`hf_adaptive_spec.trees.branches`; 0 = none).
         lookup_tokens (`int`, *optional*): tokens on that branch (default: the block size).
         datastore ([`TokenDatastore`], *optional*): also add its proposal (`hf_adaptive_spec.drafters.datastore`) to
             every greedy tree, as one more branch.
         datastore_tokens (`int`, *optional*): tokens on that branch (default: `lookup_tokens`).
         host_trees (`bool`): at batch 1, greedy, without processors and for a budget or shape strategy, build
-            the tree with host lists (`host_tree`: the same tree, without ~40 small tensor ops per level).
+            the tree with host lists (`trees.host`: the same tree, without ~40 small tensor ops per level).
     """
 
     may_pause = True
@@ -385,114 +381,56 @@ class BlockDrafter(Drafter):
     def draft(self, strategy, process, max_depth: torch.Tensor, sample: bool = False, generator=None,
               committed: tuple | None = None, pricing=None, stop_tokens=None) -> DraftTree:
         """One round's tree (`Drafter.draft`); node 0 is the pending root. `pricing` is not read: one forward
-        drafts every level.
+        drafts every level; nor is `stop_tokens` (the loop drops what lies below a drafted EOS).
 
         `process` None means no logits processors: every node of a depth is then offered the same distribution,
-        so under greedy drafting its top-k is computed once per depth, over the draft vocabulary only.
+        so under greedy drafting its top-k is computed once per depth, over the draft vocabulary only
+        (`trees.PerDepth`; at batch 1 on a CPU, for a budget or shape selection, the tree is built on host lists).
         `committed` `(ids (B, C), lengths (B,), start (B,))`: the committed rows, root included (see
-        `lookup.context_lookup`); with `context_lookup` set, a greedy tree also gets the lookup chain.
-        At batch 1, greedy, without processors and for a budget or shape strategy (`Strategy.shared_budget`,
-        `Strategy.shared_shape`), both are built on the host (`host_tree`: the same tree, without ~40 small tensor
-        ops per level).
+        `trees.branches.context_lookup`); with `context_lookup` set, a greedy tree also gets the lookup chain, and
+        with a datastore its chain (first: a node both propose is learned as a context node).
         """
-        tree = self._draft_tree(strategy, process, max_depth, sample, generator)
-        lookup = self.context_lookup and committed is not None and not sample
-        store = self.datastore is not None and committed is not None and not sample
-        # the datastore's chain first, then the context's: a node both propose is learned as a context node
-        if isinstance(tree, tuple):  # the batch-1 host backend: the block's top-k lists, one tree built on them
-            chains = []
-            if store or lookup:
-                ids, lengths, start = committed
-                row = ids[0, int(start[0]):int(lengths[0])].tolist()
-                depth = max(int(max_depth[0]), 0)
-            if store:
-                chain, _, support = self.datastore.propose_with_support(row[-self.datastore.max_ngram:],
-                                                                        self.datastore_tokens)
-                chains.append((chain[:depth], [store_code(*pair) for pair in support[:depth]]))
-            if lookup:
-                chain, match = latest_match(row, self.context_lookup, self.lookup_tokens)
-                chains.append((chain[:depth], lookup_code(match)))
-            probs, tokens, shape = tree
-            if shape is None:
-                return budget_tree(int(self.root[0]), probs, tokens, strategy.shared_budget, chains, self.root.device)
-            depth = min(self.block_size, max(int(max_depth[0]), 0))
-            return shape_tree(int(self.root[0]), probs, tokens, shape, depth, chains, self.root.device)
-        if store or lookup:
-            ids, lengths, start = committed
-        if store:
-            tokens, valid, _, codes = self.datastore.propose_batch(ids, lengths, start, self.datastore_tokens)
-            valid &= torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= max_depth[:, None]
-            tree = add_chain(tree, tokens, valid, codes)
-        if lookup:
-            tokens, valid, match = context_lookup(ids, lengths, start, self.context_lookup, self.lookup_tokens)
-            valid &= torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= max_depth[:, None]
-            tree = add_chain(tree, tokens, valid, lookup_code(match))
-        return tree
-
-    def _draft_tree(self, strategy, process, max_depth, sample, generator) -> DraftTree | tuple:
-        """The block's tree by the generic tensor path, or, where the batch-1 host backend applies, the block's
-        `(probs, tokens, shape)`: top-k lists per depth for `host_tree.budget_tree` (shape None) or
-        `host_tree.shape_tree` (the strategy's `shared_shape`)."""
         batch = self.root.shape[0]
         device = self.root.device
         depth_limit = max(1, min(self.block_size, int(max_depth.max())))
         scores, vocab = self.block_scores(depth_limit)
         scores = scores.float()  # (B, L, V')
-        vocab_size = self.model.config.vocab_size
-        shared = process is None and not sample
-        process = process if process is not None else _unprocessed
-        if shared:
+        if process is None and not sample:
             k = min(strategy.max_children, scores.shape[-1])
             top_probs, top_index = torch.softmax(scores, dim=-1).topk(k, dim=-1)  # (B, L, k)
-            top_tokens = top_index if vocab is None else vocab[top_index]
-            root_logits = scores[:, :1]  # over the draft vocabulary: what a strategy reads of it is a distribution
+            candidates = PerDepth(top_probs, top_index if vocab is None else vocab[top_index])
+            # over the draft vocabulary: what a strategy reads of it is a distribution
+            selection = strategy.on_root(scores[:, 0])
         else:
-            logits = spread_to_vocabulary(scores, vocab, vocab_size)  # (B, L, V)
-            k = min(strategy.max_children, logits.shape[-1])
+            logits = spread_to_vocabulary(scores, vocab, self.model.config.vocab_size)  # (B, L, V)
             no_path = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
+            process = process or _unprocessed
             root_logits = process(logits[:, :1], no_path, torch.zeros(batch, 1, dtype=torch.long, device=device),
                                   torch.ones(batch, 1, dtype=torch.bool, device=device))
-        strategy.on_root(root_logits[:, 0])
-        if shared and batch == 1 and self.host_trees:
-            shape = strategy.shared_shape
-            # a budget strategy without a row-specific depth cut, or a shape whose ranks the candidates hold
-            if ((strategy.shared_budget is not None and int(max_depth[0]) >= depth_limit)
-                    or (shape is not None and max(max(path) for path in shape) < k)):
-                probs = top_probs[0].tolist()
-                if min(min(level) for level in probs) > 0:
-                    return probs, top_tokens[0].tolist(), shape if strategy.shared_budget is None else None
+            selection = strategy.on_root(root_logits[:, 0])
+            candidates = _BlockLevels(logits, root_logits, process, min(strategy.max_children, logits.shape[-1]))
+        branches = []
+        if committed is not None and not sample:
+            rows = Committed(*committed, max_depth)
+            if self.datastore is not None:
+                branches.append(StoreBranch(rows, self.datastore, self.datastore_tokens))
+            if self.context_lookup:
+                branches.append(ContextBranch(rows, self.context_lookup, self.lookup_tokens))
+        return build(self.root, candidates, selection, branches, max_depth=max_depth, sample=sample,
+                     generator=generator, host_rows=self.host_trees)
 
-        builder = TreeBuilder()
-        ones = torch.ones(batch, 1, dtype=torch.bool, device=device)
-        unit = torch.ones(batch, 1, device=device)
-        minus = torch.full((batch, 1), -1, dtype=torch.long, device=device)
-        node_index = builder.add_level(self.root[:, None], minus, ones, unit, unit, minus)
-        frontier_nodes = node_index[None, :].expand(batch, 1)
-        frontier = Frontier(probs=unit, cum_probs=unit, valid=ones)
-        frontier_paths = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
-        frontier_logits = None if shared else root_logits  # (B, F, V)
-        for level in range(1, depth_limit + 1):
-            candidates = None
-            if shared:
-                width = frontier.valid.shape[1]
-                candidates = (top_probs[:, level - 1 : level].expand(-1, width, -1),
-                              top_tokens[:, level - 1 : level].expand(-1, width, -1))
-            chosen = choose_level(strategy, level, frontier, frontier_nodes, frontier_logits, k, max_depth, builder,
-                                  sample, generator, may_expand=level < depth_limit, candidates=candidates)
-            if chosen is None:
-                break
-            node_index = builder.add_level(chosen.tokens, frontier_nodes.gather(1, chosen.parent), chosen.valid,
-                                           chosen.probs, chosen.cum_probs, torch.full_like(chosen.tokens, -1))
-            if chosen.num_grow == 0:
-                break
-            block_tokens, _, frontier_paths, frontier_nodes, frontier = chosen.next_frontier(
-                node_index, frontier_paths, level)
-            if not shared:
-                # every node of this depth is offered the block's next distribution, processed with its own prefix
-                next_logits = logits[:, level : level + 1].expand(-1, chosen.num_grow, -1)
-                frontier_logits = process(next_logits, frontier_paths, torch.full_like(block_tokens, level),
-                                          chosen.grow_valid)
-        return builder.build()
+
+class _BlockLevels(PerNode):
+    """A block's candidates under logits processors or sampling: every node of depth d is offered the block's
+    depth-(d+1) distribution, processed with its own prefix."""
+
+    def __init__(self, logits, root_logits, process, k: int):
+        self.logits, self.root_logits, self.process, self.k = logits, root_logits, process, k
+        self.depth_limit = logits.shape[1]
+
+    def grow(self, level, tokens, parent, paths, valid):
+        next_logits = self.logits[:, level:level + 1].expand(-1, tokens.shape[1], -1)
+        return self.process(next_logits, paths, torch.full_like(tokens, level), valid)
 
 
 def _unprocessed(logits, paths, depths, valid):

@@ -1,6 +1,6 @@
 """Datastore lookup: draft tokens retrieved from a corpus of the target's own answers (REST-style retrieval).
 
-Context lookup (`hf_adaptive_spec.drafters.lookup`) only finds what the sequence itself
+Context lookup (`hf_adaptive_spec.trees.branches`) only finds what the sequence itself
 already said. A small target's answers also repeat each other: the same
 openings, list patterns, transitions and closing lines across requests. A
 `TokenDatastore` holds token sequences (e.g. the target's greedy answers to
@@ -12,7 +12,7 @@ agree so far, ...). The `laspec` strategy hangs it under the root as one more
 branch of the tree, next to the drafter's nodes and the context-lookup chain;
 the cost rule keeps its nodes when their measured acceptance pays, learned per
 support class (the share of voting occurrences that agree, and how many vote:
-`lookup.store_code`), so a store that does not help costs little more than one
+`branches.store_code`), so a store that does not help costs little more than one
 look-up per round (the index, 12 bytes per token and n-gram length, is built
 on the first query; costs in docs/laspec.md).
 
@@ -191,7 +191,7 @@ class TokenDatastore:
         """[`propose`] plus each proposed token's support `(agreeing, voting)`: of the `voting` occurrences that
         agree with the chain so far and continue, `agreeing` continue with this token. The share predicts
         acceptance far better than n (docs/laspec.md), so the cost rule learns datastore nodes per support class
-        (`lookup.store_code`)."""
+        (`branches.store_code`)."""
         row = row.tolist() if isinstance(row, torch.Tensor) else list(row)
         if num_tokens < 1:
             return [], 0, []
@@ -221,10 +221,10 @@ class TokenDatastore:
 
     def propose_batch(self, ids: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor,
                       num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[`propose`] per row of committed ids (the layout of `lookup.context_lookup`): `(tokens (B, K),
+        """[`propose`] per row of committed ids (the layout of `branches.context_lookup`): `(tokens (B, K),
         valid (B, K), match (B,), codes (B, K))` on `ids`'s device; `codes` are the nodes' support classes
-        (`lookup.store_code`; 0 where invalid)."""
-        from .lookup import store_code
+        (`branches.store_code`; 0 where invalid)."""
+        from ..trees.branches import store_code
 
         batch = ids.shape[0]
         tokens = torch.zeros(batch, num_tokens, dtype=torch.long)

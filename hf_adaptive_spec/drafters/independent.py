@@ -15,13 +15,10 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from .. import clock
 from ..adapters.compat import MULTIMODAL_KEYS, cache_argument, check_cache
 from ..adapters.runner import ModelRunner, left_pad
-from ..strategies import Frontier
-from .tree import DraftTree, TreeBuilder
+from ..trees import DraftTree, PerNode, build
 from .base import Drafter, TargetPrefill, VerifiedRound
-from .levels import choose_level
 from .visual_view import VisualView
 
 
@@ -158,74 +155,25 @@ class IndependentDrafter(Drafter):
         """
         if process is None:
             process = _unprocessed
-        runner = self.runner
         tokens, valid = self.pending, self.pending_valid
         batch, num_pending = tokens.shape
         device = tokens.device
         # pending tokens form a chain (right-aligned, so the real ones are contiguous at the end)
         column = torch.arange(num_pending, device=device)
         chain_parent = torch.where(valid & torch.roll(valid, 1, dims=1) & (column > 0), column - 1, -1)
-        output = runner.forward(tokens, chain_parent, valid, logits_to_keep=1)
+        output = self.runner.forward(tokens, chain_parent, valid, logits_to_keep=1)
         no_path = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
         zero_depth = torch.zeros(batch, 1, dtype=torch.long, device=device)
         ones = torch.ones(batch, 1, dtype=torch.bool, device=device)
         root_logits = process(output.logits[:, -1:].float(), no_path, zero_depth, ones)  # (B, 1, V)
-        strategy.on_root(root_logits[:, 0])
-
-        builder = TreeBuilder()
-        unit = torch.ones(batch, 1, device=device)
-        root_slot = torch.full((batch, 1), num_pending - 1, dtype=torch.long, device=device)
-        node_index = builder.add_level(tokens[:, -1:], -torch.ones_like(root_slot), ones, unit, unit, root_slot)
-        frontier_nodes = node_index[None, :].expand(batch, 1)  # (B, F) tree indices
-        frontier_slots = root_slot  # (B, F) drafter tail indices
-        frontier = Frontier(probs=unit, cum_probs=unit, valid=ones)
-        frontier_paths = no_path  # (B, F, level - 1)
-        frontier_logits = root_logits  # (B, F, V)
-        tail_parents, tail_valid = chain_parent, valid
-        k = min(strategy.max_children, frontier_logits.shape[-1])
-        frontier_survival = unit  # (B, F) pi of the frontier nodes, for `pricing`
-        tree_width = 1
-
-        level = 0
-        while True:
-            level += 1
-            level_start = clock.now()
-            chosen = choose_level(strategy, level, frontier, frontier_nodes, frontier_logits, k, max_depth, builder,
-                                  sample, generator, stop_tokens=stop_tokens)
-            if chosen is None:
-                break
-            tree_width += chosen.tokens.shape[1]
-            if pricing is not None and not sample and chosen.num_grow:
-                survival = pricing.survival(frontier_survival, chosen)
-                if pricing.pays(survival, chosen, tree_width):
-                    frontier_survival = survival.gather(1, chosen.grow) * chosen.grow_valid
-                else:  # keep the children, expand none of them: this level is the last
-                    chosen = chosen.without_expansion()
-            tail_length = tail_parents.shape[1]
-            # the expanded children get the next drafter tail slots, in order
-            slot = torch.full_like(chosen.tokens, -1)
-            slot.scatter_(1, chosen.grow, torch.where(
-                chosen.grow_valid, tail_length + torch.arange(chosen.num_grow, device=device), -1))
-            slot = torch.where(chosen.expand, slot, -1)
-            node_index = builder.add_level(chosen.tokens, frontier_nodes.gather(1, chosen.parent), chosen.valid,
-                                           chosen.probs, chosen.cum_probs, slot)
-            if chosen.num_grow == 0:
-                break
-            block_tokens, grow_parent, frontier_paths, frontier_nodes, frontier = chosen.next_frontier(
-                node_index, frontier_paths, level)
-            # run the expanded children as one block under the tree mask
-            block_parents = torch.where(chosen.grow_valid, frontier_slots.gather(1, grow_parent), -1)
-            tail_parents = torch.cat([tail_parents, block_parents], dim=1)
-            tail_valid = torch.cat([tail_valid, chosen.grow_valid], dim=1)
-            output = runner.forward(block_tokens, tail_parents, tail_valid)
-            frontier_logits = process(output.logits.float(), frontier_paths, torch.full_like(block_tokens, level),
-                                      chosen.grow_valid)
-            if pricing is not None:  # the level's whole time: its choice, its tree work and its forward
-                pricing.observe_draft(chosen.num_grow, clock.now() - level_start)
-            frontier_slots = tail_length + torch.arange(chosen.num_grow, device=device)[None, :].expand(batch, -1)
+        selection = strategy.on_root(root_logits[:, 0])
+        levels = _ModelLevels(self.runner, process, root_logits, chain_parent, valid,
+                              min(strategy.max_children, root_logits.shape[-1]))
+        tree = build(tokens[:, -1], levels, selection, max_depth=max_depth, sample=sample, generator=generator,
+                     stop_tokens=stop_tokens, pricing=pricing)
         self._num_pending = num_pending
         self._drafted = True
-        return builder.build()
+        return tree
 
     def finish_round(self, verified: VerifiedRound) -> None:
         self._keep(verified)
@@ -271,6 +219,37 @@ class IndependentDrafter(Drafter):
         else:
             self.pending = bonus[:, None]
             self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)
+
+
+class _ModelLevels(PerNode):
+    """The independent drafter's candidates: each level's expanded children run through the drafter as one block
+    under the tree mask (its uncommitted tail: the pending chain, then each level's children), their processed
+    logits the next level's candidates."""
+
+    def __init__(self, runner: ModelRunner, process, root_logits, tail_parents, tail_valid, k: int):
+        self.runner, self.process, self.root_logits, self.k = runner, process, root_logits, k
+        self.tail_parents, self.tail_valid = tail_parents, tail_valid
+        batch = root_logits.shape[0]
+        self.root_slot = tail_parents.shape[1] - 1
+        self.frontier_slots = torch.full((batch, 1), self.root_slot, dtype=torch.long, device=root_logits.device)
+
+    def slots(self, level) -> torch.Tensor:
+        """The expanded children get the next drafter tail slots, in order."""
+        tail_length = self.tail_parents.shape[1]
+        slot = torch.full_like(level.tokens, -1)
+        slot.scatter_(1, level.grow, torch.where(
+            level.grow_valid, tail_length + torch.arange(level.num_grow, device=slot.device), -1))
+        return torch.where(level.expand, slot, -1)
+
+    def grow(self, level, tokens, parent, paths, valid):
+        tail_length = self.tail_parents.shape[1]
+        block_parents = torch.where(valid, self.frontier_slots.gather(1, parent), -1)
+        self.tail_parents = torch.cat([self.tail_parents, block_parents], dim=1)
+        self.tail_valid = torch.cat([self.tail_valid, valid], dim=1)
+        output = self.runner.forward(tokens, self.tail_parents, self.tail_valid)
+        self.frontier_slots = tail_length + torch.arange(tokens.shape[1], device=tokens.device)[None, :].expand(
+            tokens.shape[0], -1)
+        return self.process(output.logits.float(), paths, torch.full_like(tokens, level), valid)
 
 
 def _unprocessed(logits, paths, depths, valid):

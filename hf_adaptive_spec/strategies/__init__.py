@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Frontier, Strategy, StrategyConfig
+from .base import Strategy, StrategyConfig
 from .chain import ChainConfig, ChainStrategy
 from .laspec import LaSpecConfig, LaSpecStrategy
 from .plain import PlainConfig, PlainStrategy
@@ -52,7 +52,6 @@ __all__ = [
     "STRATEGIES",
     "ChainConfig",
     "ChainStrategy",
-    "Frontier",
     "LaSpecConfig",
     "LaSpecStrategy",
     "PlainConfig",

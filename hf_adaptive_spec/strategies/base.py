@@ -1,11 +1,10 @@
 """What a strategy decides: which drafter candidates enter the tree, and which of them grow further.
 
-The decoding loop asks the strategy level by level. At level l the frontier
-holds the nodes of depth l-1 the drafter has just processed; for each, the
-loop offers its top-K drafter candidates and the strategy answers with two
-`(B, F, K)` masks: `take` (the candidate becomes a node) and `expand` (the
-drafter also processes it, so it may get children at level l+1). Strategies
-hold only per-row planning state; they never touch a model or a cache.
+Once per round, with the drafter's distribution at the root, the strategy answers with one selection value
+(`trees.selection`): a `Shape` (fixed rank paths, one of a set per row), a `Budget` (the candidates of highest
+path probability up to a node count) or a `Rule` (any per-level choice of `take` and `expand` masks). The tree
+builder (`trees.build`) reads it. Strategies hold only per-row state across rounds; they never touch a model
+or a cache.
 """
 
 from __future__ import annotations
@@ -17,21 +16,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..runtime import RUNTIME_FIELDS
-
-
-@dataclass
-class Frontier:
-    """Nodes of depth `level - 1` whose children are being chosen.
-
-    Fields (B = batch, F = frontier width):
-        probs: `(B, F)` each node's drafter probability given its parent (root: 1).
-        cum_probs: `(B, F)` product of probs along the path (root: 1).
-        valid: `(B, F)` False for padding.
-    """
-
-    probs: torch.Tensor
-    cum_probs: torch.Tensor
-    valid: torch.Tensor
 
 
 @dataclass
@@ -206,7 +190,14 @@ def check_order(config, low: str, high: str) -> None:
 
 
 class Strategy:
-    """Base class. Subclasses set `name` and `config_class` and implement `select`."""
+    """Base class. Subclasses set `name` and `config_class` and implement `on_root` (the round's selection).
+
+    Args:
+        config (`StrategyConfig`): resolved settings.
+        batch_size (`int`): rows of the batch.
+        device: where per-row state lives.
+        sampling (`bool`): the call samples (draws must stay unbiased: no selection by a drawn node's value).
+    """
 
     name: str = ""
     config_class: type = StrategyConfig
@@ -218,11 +209,11 @@ class Strategy:
     # names of the `(B, ...)` tensors that hold per-row state (`keep_rows` selects them when rows leave)
     row_state: tuple = ()
 
-    def __init__(self, config: StrategyConfig, batch_size: int, device: torch.device):
+    def __init__(self, config: StrategyConfig, batch_size: int, device: torch.device, sampling: bool = False):
         self.config = config
         self.batch_size = batch_size
         self.device = device
-        self.sampling = False  # set by the loop: True under do_sample (draws must stay unbiased)
+        self.sampling = sampling
 
     @property
     def cost_aware(self) -> bool:
@@ -236,35 +227,16 @@ class Strategy:
         """K: how many top candidates per frontier node the loop offers."""
         raise NotImplementedError
 
-    @property
-    def plans(self) -> bool:
-        """True if each round's tree is chosen among candidate shapes by expected tokens per second: the loop then
-        hands the strategy a `cost.planning.RoundPlanner` over `candidate_shapes(drafter's max depth)` (`plan_with`)."""
-        return False
-
-    @property
-    def shared_budget(self) -> int | None:
-        """n_max when `select` takes, level by level, the candidates of highest path probability until n_max
-        draft nodes are taken (greedy `limit_to_budget` over every candidate, nothing else): then a block
-        drafter at batch 1 may build the same tree on the host (`drafters.host_tree`). None otherwise."""
-        return None
-
-    @property
-    def shared_shape(self) -> tuple | None:
-        """The rank paths (sorted by depth, then rank) `select` takes this round when, for a batch of one row
-        under greedy decoding, it takes exactly a fixed shape whatever the candidates' probabilities (`chain`,
-        `static_tree`, a planned `sage` round; read after `on_root`): then a block drafter may build the tree on
-        the host (`drafters.host_tree.shape_tree`). None otherwise."""
-        return None
-
-    def on_root(self, root_logits: torch.Tensor) -> None:
-        """Called once per round with the drafter's processed logits `(B, V)` at the root (a block drafter without
-        logits processors gives them over its draft vocabulary, V' <= V ids: the same distribution; strategies read
-        it, never its ids)."""
-
-    def select(self, level: int, frontier: Frontier, candidate_probs: torch.Tensor):
-        """Return `(take, expand)`, both `(B, F, K)` bool, for candidates with probs `(B, F, K)`."""
+    def on_root(self, root_logits: torch.Tensor):
+        """This round's selection (`trees.selection.Shape`, `Budget` or `Rule`), from the drafter's processed
+        logits `(B, V)` at the root (a block drafter without logits processors gives them over its draft
+        vocabulary, V' <= V ids: the same distribution; strategies read it, never its ids)."""
         raise NotImplementedError
+
+    def use_cost(self, cost, pricing, max_depth: int | None) -> None:
+        """The call's cost rule (greedy, `cost.CostModel`), its drafting prices (`cost.DraftPricing` or None) and
+        the drafter's depth limit (None: none), before the first round: a strategy that plans its rounds by
+        them sets its planner up here. Nothing by default."""
 
     def round_values(self) -> dict:
         """`{name: (B,) tensor}`: per-row values of this round that the strategy reports (collected into
@@ -273,6 +245,12 @@ class Strategy:
 
     def observe(self, accept_length: torch.Tensor, active: torch.Tensor) -> None:
         """Called after verification with accepted draft tokens per row `(B,)` and active rows `(B,)`."""
+
+    def observe_priced(self, tree, target_choice: torch.Tensor, path_index: torch.Tensor, round_seconds: float,
+                       verify_seconds: float) -> None:
+        """After a drafted round under the cost rule: the verified `tree`, the target's greedy token after each
+        node `(B, N)`, the accepted path `(B, D + 1)`, the round's and its verification's seconds. Nothing by
+        default (a planning strategy learns from it)."""
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep the state of rows `rows` `(B',)` only, in that order (finished rows left the batch)."""
@@ -287,28 +265,6 @@ class Strategy:
         for name in self.row_state:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.batch_size += other.batch_size
-
-
-def descending_rank(scores: torch.Tensor) -> torch.Tensor:
-    """`(B, X)` position of each entry in its row's descending order (ties: lower index first)."""
-    order = scores.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(scores.shape[1], device=scores.device).expand_as(order))
-    return rank
-
-
-def limit_to_budget(take: torch.Tensor, frontier: Frontier, candidate_probs: torch.Tensor, left: torch.Tensor,
-                    sampling: bool) -> torch.Tensor:
-    """`take` `(B, F, K)` cut per row to its `left` `(B,)` best candidates.
-
-    Greedy: the highest path probabilities. Sampling: a drawn child may only be dropped for what came before
-    it (its parent's path probability, earlier draws), never for its own drawn value, or the draws would no
-    longer follow q.
-    """
-    cum = frontier.cum_probs[..., None] * candidate_probs  # (B, F, K)
-    priority = frontier.cum_probs[..., None].expand_as(cum) if sampling else cum
-    rank = descending_rank(torch.where(take, priority, -1.0).flatten(1))
-    return take & (rank < left[:, None]).view_as(take)
 
 
 def on_gpu(device: torch.device) -> bool:

@@ -7,6 +7,7 @@ from functools import lru_cache
 
 import torch
 
+from ..trees.selection import Shape, ShapeSet
 from .base import Strategy, StrategyConfig, check_bool, check_int, check_order, check_visual_selection, on_gpu
 
 
@@ -56,22 +57,18 @@ class ChainStrategy(Strategy):
 
     row_state = ("length",)
 
-    def __init__(self, config, batch_size, device):
-        super().__init__(config, batch_size, device)
+    def __init__(self, config, batch_size, device, sampling=False):
+        super().__init__(config, batch_size, device, sampling)
         self.length = torch.full((batch_size,), config.num_draft_tokens, dtype=torch.long, device=device)
+        self._chains = chain_shapes(config.max_draft_tokens)
 
     @property
     def max_children(self):
         return 1
 
-    @property
-    def shared_shape(self):
-        return chain_paths(int(self.length[0])) if self.batch_size == 1 and not self.sampling else None
-
-    def select(self, level, frontier, candidate_probs):
-        take = (level <= self.length)[:, None, None].expand_as(candidate_probs)
-        expand = take & (level < self.length)[:, None, None]
-        return take, expand
+    def on_root(self, root_logits):
+        """Each row's chain of its current length (`chain_shapes`: one per length up to the maximum)."""
+        return Shape(self._chains, self.length - 1)
 
     def observe(self, accept_length, active):
         if not self.config.adaptive:
@@ -85,3 +82,9 @@ class ChainStrategy(Strategy):
 def chain_paths(length: int) -> tuple:
     """The rank paths of a chain of `length` top-1 tokens."""
     return tuple((0,) * depth for depth in range(1, length + 1))
+
+
+@lru_cache(maxsize=16)
+def chain_shapes(max_length: int) -> ShapeSet:
+    """The chains of every length 1..`max_length` (shape i: length i + 1), made once per length (read only)."""
+    return ShapeSet([chain_paths(length) for length in range(1, max_length + 1)])

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from .base import Strategy, StrategyConfig, check_bool, check_int, limit_to_budget, on_gpu
+from ..trees.selection import Budget
+from .base import Strategy, StrategyConfig, check_bool, check_int, on_gpu
 
 
 @dataclass
@@ -35,7 +34,7 @@ class LaSpecConfig(StrategyConfig):
             (default: the drafter's `config.num_visual_tokens`; 0 turns the visual branch off).
         context_lookup (`int`, defaults to 4): under greedy decoding, also offer the tokens that followed the
             latest earlier occurrence of the sequence's last n tokens (n up to this, longest first), as one more
-            branch of the tree (`hf_adaptive_spec.drafters.lookup`); the cost rule keeps its nodes when their measured
+            branch of the tree (`hf_adaptive_spec.trees.branches`); the cost rule keeps its nodes when their measured
             acceptance pays. 0 turns it off.
         lookup_tokens (`int`, defaults to 8): tokens on that branch (a repetition, once found, often runs past
             the drafter's block; the cost rule prices every node of it; docs/laspec.md has the measured effect).
@@ -87,26 +86,9 @@ class LaSpecStrategy(Strategy):
     config_class = LaSpecConfig
     requires_block_drafter = True
 
-    row_state = ("nodes_used",)
-
-    def __init__(self, config, batch_size, device):
-        super().__init__(config, batch_size, device)
-        self.nodes_used = torch.zeros(batch_size, dtype=torch.long, device=device)
-
     @property
     def max_children(self):
         return self.config.top_k
 
-    @property
-    def shared_budget(self):
-        return None if self.sampling else self.config.n_max
-
     def on_root(self, root_logits):
-        self.nodes_used.zero_()
-
-    def select(self, level, frontier, candidate_probs):
-        take = frontier.valid[..., None].expand_as(candidate_probs)
-        take = limit_to_budget(take, frontier, candidate_probs, (self.config.n_max - self.nodes_used).clamp_min(0),
-                               self.sampling)
-        self.nodes_used += take.flatten(1).sum(-1)
-        return take, take
+        return Budget(self.config.n_max, self.sampling)

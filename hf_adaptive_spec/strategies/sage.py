@@ -18,7 +18,10 @@ from functools import lru_cache
 import torch
 
 from .. import ops
-from .static_tree import candidate_shapes, default_tree_paths, shape_tables
+from ..cost.planning import DepthAcceptance, RoundPlanner
+from ..trees.levels import limit_to_budget
+from ..trees.selection import Rule, Shape, ShapeSet
+from .static_tree import candidate_shapes, default_tree_paths
 from .base import (
     Strategy,
     StrategyConfig,
@@ -28,7 +31,6 @@ from .base import (
     check_float,
     check_int,
     check_order,
-    limit_to_budget,
     on_gpu,
 )
 
@@ -141,23 +143,23 @@ class SageStrategy(Strategy):
         which drafting paused change nothing; with the previous root's, each round plans the next."""
         return self.config.alpha_source == "current_root"
 
-    row_state = ("alpha", "next_alpha", "d_max", "history", "history_count", "nodes_used", "choice")
+    row_state = ("alpha", "next_alpha", "d_max", "history", "history_count", "choice")
 
-    def __init__(self, config, batch_size, device):
-        super().__init__(config, batch_size, device)
+    def __init__(self, config, batch_size, device, sampling=False):
+        super().__init__(config, batch_size, device, sampling)
         c = config
         self.alpha = torch.full((batch_size,), c.alpha_init, dtype=torch.float32, device=device)
         self.next_alpha = self.alpha.clone()
         self.d_max = torch.full((batch_size,), float(c.d_max), device=device)
         self.history = torch.zeros(batch_size, c.history_window, device=device)
         self.history_count = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.nodes_used = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.planner = None
         self.choice = torch.zeros(batch_size, dtype=torch.long, device=device)  # each row's planned candidate
+        self._cost = self._pricing = self._planned = None
 
     @property
     def plans(self) -> bool:
-        """Whether rounds are planned (`plan_with`): greedy, with the cost rule."""
+        """Whether rounds are planned (`use_cost` sets the planner up): greedy, with the cost rule."""
         return self.config.plan and self.cost_aware and not self.sampling
 
     def candidate_shapes(self, max_depth: int | None = None) -> list:
@@ -171,44 +173,68 @@ class SageStrategy(Strategy):
         fields = (c.d_min, c.d_max, c.w_min, c.w_max, c.n_max, c.top_k, c.theta_scale, c.expand_rule)
         return list(_candidates(fields, depth, on_gpu(self.device)))
 
+    def use_cost(self, cost, pricing, max_depth):
+        """Planned rounds (`plans`): the planner over `candidate_shapes(max_depth)` prices each row's candidates
+        with the target's acceptance per depth (learned in earlier calls of this pair and setting when the
+        calibration carries it), verification on the cost curve, and drafter levels at their measured time
+        (none for a drafter that drafts every depth in one forward)."""
+        if not self.plans:
+            return
+        self._cost, self._pricing = cost, pricing
+        shapes = self.candidate_shapes(max_depth)
+        depth = max(len(p) for shape in shapes for p in shape)
+        ranks = max(max(p) for shape in shapes for p in shape) + 1
+        depths = cost.calibration.depths
+        if depths is None or depths.accepted.shape[1:] != (depth, ranks):
+            depths = cost.calibration.depths = DepthAcceptance(depth, ranks)
+
+        def verify_seconds(nodes: int) -> float:
+            table = cost.host_table
+            return cost.scale * table[min(nodes, len(table) - 1)]
+
+        level_seconds = pricing.draft_seconds if pricing is not None else (lambda width: 0.0)
+        self.plan_with(RoundPlanner(shapes, depths, verify_seconds, level_seconds))
+
     def plan_with(self, planner) -> None:
         """Choose each row's tree with `planner` (`cost.planning.RoundPlanner`) from now on."""
         self.planner = planner
-        self._plan_children = max(max(p) for shape in planner.shapes for p in shape) + 1
-        self._plan_tables = _plan_tables(tuple(tuple(shape) for shape in planner.shapes), self._plan_children,
-                                         str(self.device))
+        self._planned = _shape_set(tuple(tuple(shape) for shape in planner.shapes))
+
+    def observe_priced(self, tree, target_choice, path_index, round_seconds, verify_seconds):
+        """A planned round teaches its planner the target's acceptance per depth and the round's time."""
+        if self.planner is None:
+            return
+        self.planner.observe(tree, target_choice, path_index, self.alpha)
+        levels = self._pricing.take_round_levels() if self._pricing is not None else 0.0
+        if self._cost is None or self._cost.timed:  # a fixed curve prices rounds as given
+            self.planner.observe_round(round_seconds, levels, verify_seconds)
 
     @property
     def max_children(self):
         width = int(round(self.config.w_max))
-        return width if self.planner is None else max(width, self._plan_children)
-
-    @property
-    def shared_shape(self):
-        """The planned candidate of a batch's single row (planned rounds are greedy)."""
-        if self.planner is None or self.batch_size != 1:
-            return None
-        return self.planner.shapes[int(self.choice[0])]
+        return width if self.planner is None else max(width, self._planned.children)
 
     def depth(self) -> torch.Tensor:
         """Eq. 10: D(alpha) = D_min + alpha (D_max - D_min), per row."""
-        return torch.round(self.config.d_min + self.alpha * (self.d_max - self.config.d_min))
+        return torch.round(sage_depth(self.config, self.alpha, self.d_max))
 
     def width(self) -> torch.Tensor:
         """Eq. 11: W(alpha) = W_min + (1 - alpha) (W_max - W_min), per row."""
-        c = self.config
-        return c.w_min + (1.0 - self.alpha) * (c.w_max - c.w_min)
+        return sage_width(self.config, self.alpha)
 
     def on_root(self, root_logits):
+        """Alpha from the drafter's root distribution; the round's selection: each row's planned candidate
+        (`Shape`), or SAGE's rule (`Rule`, Eq. 10-12 with the node budget)."""
         confidence = ops.sage_confidence(root_logits, self.config.top_k)
         if self.config.alpha_source == "current_root":
             self.alpha = confidence
         else:  # the previous round's root plans this round; this round's plans the next
             self.alpha = self.next_alpha
             self.next_alpha = confidence
-        self.nodes_used.zero_()
         if self.planner is not None:
             self.choice = self.planner.choose(self.alpha).to(self.alpha.device)
+            return Shape(self._planned, self.choice)
+        return Rule(self._rule)
 
     def round_values(self):
         values = {"alpha": self.alpha}  # the confidence that shaped each row's tree
@@ -216,43 +242,30 @@ class SageStrategy(Strategy):
             values["candidate"] = self.choice
         return values
 
-    def select(self, level, frontier, candidate_probs):
-        if self.planner is not None:
-            return self._planned(level, frontier, candidate_probs)
+    def _rule(self, batch, device):
+        """The round's `select` by Eq. 10-12: each frontier node's width, the depth, the expansion threshold,
+        within the node budget."""
         c = self.config
-        batch, width, k = candidate_probs.shape
         depth = self.depth()  # (B,)
-        if level == 1:
-            children = self.width()[:, None].expand(batch, width)
-        else:  # Eq. 12: W_l = W(alpha) (1/l) (0.5 + P_parent)
-            children = self.width()[:, None] * (1.0 / level) * (0.5 + frontier.probs)
-        children = torch.round(children).clamp(1, k)  # (B, F)
-        rank = torch.arange(k, device=candidate_probs.device)
-        take = (rank[None, None, :] < children[..., None]) & frontier.valid[..., None]
-        take &= (level <= depth)[:, None, None]
-        take = limit_to_budget(take, frontier, candidate_probs, (c.n_max - self.nodes_used).clamp_min(0),
-                               self.sampling)
-        cum = frontier.cum_probs[..., None] * candidate_probs  # (B, F, K)
-        self.nodes_used += take.flatten(1).sum(-1)
-        theta = c.theta_scale * level / depth.clamp_min(1)  # (B,)
-        score = cum if c.expand_rule == "cumulative" else candidate_probs
-        expand = take & (score > theta[:, None, None]) & (level < depth)[:, None, None]
-        return take, expand
+        width = self.width()
+        used = torch.zeros(batch, dtype=torch.long, device=device)
 
-    def _planned(self, level, frontier, candidate_probs):
-        """`(take, expand)` of each row's planned candidate at `level`."""
-        batch, width, k = candidate_probs.shape
-        empty = torch.zeros_like(candidate_probs, dtype=torch.bool)
-        if level > len(self._plan_tables):
-            return empty, empty
-        takes, expands = self._plan_tables[level - 1]
-        rows, ranks = min(width, takes.shape[1]), min(k, takes.shape[2])
-        take, expand = takes[self.choice, :rows, :ranks], expands[self.choice, :rows, :ranks]
-        if (rows, ranks) != (width, k):  # a narrower frontier or fewer ranks in every candidate: nothing there
-            pad = (0, k - ranks, 0, width - rows)
-            take, expand = torch.nn.functional.pad(take, pad), torch.nn.functional.pad(expand, pad)
-        valid = frontier.valid[..., None]
-        return take & valid, expand & valid
+        def select(level, frontier, candidate_probs):
+            nonlocal used
+            k = candidate_probs.shape[2]
+            children = torch.round(sage_children(width[:, None], level, frontier.probs)).clamp(1, k)  # (B, F)
+            rank = torch.arange(k, device=candidate_probs.device)
+            take = (rank[None, None, :] < children[..., None]) & frontier.valid[..., None]
+            take &= (level <= depth)[:, None, None]
+            take = limit_to_budget(take, frontier, candidate_probs, (c.n_max - used).clamp_min(0), self.sampling)
+            cum = frontier.cum_probs[..., None] * candidate_probs  # (B, F, K)
+            used = used + take.flatten(1).sum(-1)
+            theta = sage_theta(c, level, depth.clamp_min(1))  # (B,)
+            score = cum if c.expand_rule == "cumulative" else candidate_probs
+            expand = take & (score > theta[:, None, None]) & (level < depth)[:, None, None]
+            return take, expand
+
+        return select
 
     def observe(self, accept_length, active):
         c = self.config
@@ -267,26 +280,46 @@ class SageStrategy(Strategy):
         self.d_max = torch.where(full & active, (self.d_max + step).clamp(c.d_min + 1, c.depth_cap), self.d_max)
 
 
+def sage_depth(config, alpha, d_max):
+    """Eq. 10 before rounding: D_min + alpha (D_max - D_min) (tensors per row, or floats)."""
+    return config.d_min + alpha * (d_max - config.d_min)
+
+
+def sage_width(config, alpha):
+    """Eq. 11: W(alpha) = W_min + (1 - alpha) (W_max - W_min)."""
+    return config.w_min + (1.0 - alpha) * (config.w_max - config.w_min)
+
+
+def sage_children(width, level: int, parent_prob):
+    """Eq. 12 before rounding: a level-`level` node's children, W(alpha) at level 1, else
+    W(alpha) (1 / l) (0.5 + P_parent)."""
+    return width if level == 1 else width * (1.0 / level) * (0.5 + parent_prob)
+
+
+def sage_theta(config, level: int, depth):
+    """The expansion threshold theta_l = theta_scale * l / D(alpha) (`depth` at least 1)."""
+    return config.theta_scale * level / depth
+
+
 def sage_shape(config, alpha: float) -> list[tuple]:
-    """SAGE's tree (Eq. 10-12) for a row of confidence `alpha`, with each node's drafter probability taken as a
-    prior (the top token 0.3 + 0.6 alpha, each lower rank a third of the one above): rank paths within the node
-    budget and `config.d_max`."""
+    """SAGE's tree (Eq. 10-12, as `SageStrategy`'s rule) for a row of confidence `alpha`, with each node's drafter
+    probability taken as a prior (the top token 0.3 + 0.6 alpha, each lower rank a third of the one above): rank
+    paths within the node budget (taken in level order) and `config.d_max`."""
     c = config
-    depth = round(c.d_min + alpha * (c.d_max - c.d_min))
-    width = c.w_min + (1.0 - alpha) * (c.w_max - c.w_min)
+    depth = round(sage_depth(c, alpha, c.d_max))
+    width = sage_width(c, alpha)
     top = 0.3 + 0.6 * alpha
     paths, frontier = [], [((), 1.0, 1.0)]  # (path, node probability, path probability)
     for level in range(1, depth + 1):
         grown = []
         for path, prob, cum in frontier:
-            children = width if level == 1 else width * (1.0 / level) * (0.5 + prob)
-            for rank in range(max(1, min(round(children), c.top_k))):
+            for rank in range(max(1, min(round(sage_children(width, level, prob)), c.top_k))):
                 child_prob = top * (1.0 / 3.0) ** rank
                 if len(paths) == c.n_max:
                     return paths
                 paths.append(path + (rank,))
                 score = cum * child_prob if c.expand_rule == "cumulative" else child_prob
-                if level < depth and score > c.theta_scale * level / max(depth, 1):
+                if level < depth and score > sage_theta(c, level, max(depth, 1)):
                     grown.append((path + (rank,), child_prob, cum * child_prob))
         frontier = grown
     return paths
@@ -305,22 +338,7 @@ def _candidates(fields: tuple, depth: int, gpu: bool) -> tuple:
 
 
 @lru_cache(maxsize=32)
-def _plan_tables(shapes: tuple, children: int, device: str) -> list:
-    """Per level, `(takes, expands)` `(C, F, K)` of every candidate shape (made once per set of shapes and
-    device: every call of a setting plans over the same ones; read only)."""
-    tables = [shape_tables(shape, children, device) for shape in shapes]
-    depth = max(len(takes) for takes, _ in tables)
-    return [(_stack_level([t[0][level] if level < len(t[0]) else None for t in tables]),
-             _stack_level([t[1][level] if level < len(t[1]) else None for t in tables]))
-            for level in range(depth)]
-
-
-def _stack_level(tables: list) -> torch.Tensor:
-    """One level's tables of every candidate `(F_c, K)` (None: the candidate ends above) as `(C, F, K)`."""
-    present = [t for t in tables if t is not None]
-    width, k = max(t.shape[0] for t in present), present[0].shape[1]
-    out = torch.zeros(len(tables), width, k, dtype=torch.bool, device=present[0].device)
-    for c, table in enumerate(tables):
-        if table is not None:
-            out[c, : table.shape[0]] = table
-    return out
+def _shape_set(shapes: tuple) -> ShapeSet:
+    """The planned candidates as a `ShapeSet` (made once per set of shapes: every call of a setting plans over
+    the same ones; read only)."""
+    return ShapeSet(shapes)

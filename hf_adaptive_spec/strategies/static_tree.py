@@ -11,8 +11,7 @@ import heapq
 import numbers
 from dataclasses import dataclass
 
-import torch
-
+from ..trees.selection import Shape, ShapeSet
 from .base import Strategy, StrategyConfig, check_visual_selection, on_gpu
 
 
@@ -32,30 +31,6 @@ def default_tree_paths(num_nodes: int, max_depth: int, rank_acceptance=(0.7, 0.1
             for r in range(len(rank_acceptance)):
                 heapq.heappush(heap, (negative_score * rank_acceptance[r], path + (r,)))
     return sorted(chosen, key=lambda p: (len(p), p))
-
-
-def shape_tables(paths, max_children: int, device) -> tuple[list, list]:
-    """Per level, `(F, max_children)` bool tables of which candidate ranks of each frontier node a shape of rank
-    `paths` takes and expands, the frontier in the loop's own order (frontier order, then rank)."""
-    paths = set(paths)
-    takes, expands = [], []
-    frontier = [()]
-    for _ in range(max(len(p) for p in paths)):
-        take = torch.zeros(len(frontier), max_children, dtype=torch.bool)
-        expand = torch.zeros_like(take)
-        next_frontier = []
-        for f, parent in enumerate(frontier):
-            for r in range(max_children):
-                child = parent + (r,)
-                if child in paths:
-                    take[f, r] = True
-                    if any(len(p) > len(child) and p[: len(child)] == child for p in paths):
-                        expand[f, r] = True
-                        next_frontier.append(child)
-        takes.append(take.to(device))
-        expands.append(expand.to(device))
-        frontier = next_frontier
-    return takes, expands
 
 
 def candidate_shapes(max_depth: int, max_nodes: int, extra=()) -> list[tuple]:
@@ -135,25 +110,13 @@ class StaticTreeStrategy(Strategy):
     name = "static_tree"
     config_class = StaticTreeConfig
 
-    def __init__(self, config, batch_size, device):
-        super().__init__(config, batch_size, device)
-        self._max_children = max(p[-1] for p in config.paths) + 1
-        self.take, self.expand = shape_tables(config.paths, self._max_children, device)
-        self._paths = tuple(sorted(map(tuple, config.paths), key=lambda p: (len(p), p)))  # the host path's order
+    def __init__(self, config, batch_size, device, sampling=False):
+        super().__init__(config, batch_size, device, sampling)
+        self._shape = Shape(ShapeSet([config.paths]))
 
     @property
     def max_children(self):
-        return self._max_children
+        return self._shape.shapes.children
 
-    @property
-    def shared_shape(self):
-        return self._paths if self.batch_size == 1 and not self.sampling else None
-
-    def select(self, level, frontier, candidate_probs):
-        batch, width, _ = candidate_probs.shape
-        if level > len(self.take):
-            empty = torch.zeros_like(candidate_probs, dtype=torch.bool)
-            return empty, empty
-        take = self.take[level - 1][None, :width].expand(batch, -1, -1)
-        expand = self.expand[level - 1][None, :width].expand(batch, -1, -1)
-        return take, expand
+    def on_root(self, root_logits):
+        return self._shape

@@ -1,4 +1,7 @@
-"""Context lookup: draft tokens copied from earlier in the sequence, added to a drafter's tree as one more branch.
+"""Branches hung under a tree's root beside the drafter's nodes: the context-lookup chain (draft tokens copied from
+earlier in the sequence) and a datastore's chain (`drafters.datastore`), as `ContextBranch` and `StoreBranch`
+for the builder (`trees.build`), with the tensor reference of each step (`context_lookup`, `add_chain`; the
+host backend's are in `trees.host`).
 
 Text often repeats what came before it: a function signature from the prompt,
 a name, a list item's pattern, and (under greedy decoding of small models) whole
@@ -21,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from .host import latest_match
 from .tree import DraftTree
 
-__all__ = ["MAX_LOOKUP_CODE", "STORE_CODE_OFFSET", "add_chain", "context_lookup", "lookup_code", "store_code"]
+__all__ = ["MAX_LOOKUP_CODE", "STORE_CODE_OFFSET", "Committed", "ContextBranch", "StoreBranch", "add_chain",
+           "context_lookup", "lookup_code", "store_code"]
 
 #: a lookup node's `DraftTree.lookup` value names its source, the key under which the cost rule learns its
 #: acceptance: context lookup 1..15 (the matched suffix length), datastore lookup
@@ -150,3 +155,67 @@ def _replace(tree: DraftTree, **changes) -> DraftTree:
     fields = {name: getattr(tree, name) for name in tree.__dataclass_fields__}
     fields.update(changes)
     return DraftTree(**fields)
+
+
+class Committed:
+    """The committed rows a branch reads, root included (the loop's sequence buffer): `ids` `(B, C)`, `lengths`
+    `(B,)` (each row's end), `start` `(B,)` (each row's first real token), and `max_depth` `(B,)` (the deepest
+    level each row may draft: a branch's chain is cut there). `row()` is row 0's real tokens as a list, read
+    once for every branch of a one-row tree (the host backend)."""
+
+    def __init__(self, ids: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor, max_depth: torch.Tensor):
+        self.ids, self.lengths, self.start, self.max_depth = ids, lengths, start, max_depth
+        self._row = None
+
+    def row(self) -> list[int]:
+        if self._row is None:
+            self._row = self.ids[0, int(self.start[0]):int(self.lengths[0])].tolist()
+        return self._row
+
+    def cut(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`valid` `(B, K)` of a chain, cut below each row's `max_depth`."""
+        return valid & (torch.arange(1, tokens.shape[1] + 1, device=tokens.device)[None, :] <= self.max_depth[:, None])
+
+    def depth(self) -> int:
+        """Row 0's `max_depth` (at least 0)."""
+        return max(int(self.max_depth[0]), 0)
+
+
+class ContextBranch:
+    """The context-lookup chain: the (up to `num_tokens`) tokens that followed the latest earlier occurrence of
+    each row's longest matching suffix of up to `max_ngram` tokens, coded by the match length (`lookup_code`)."""
+
+    def __init__(self, committed: Committed, max_ngram: int, num_tokens: int):
+        self.committed, self.max_ngram, self.num_tokens = committed, max_ngram, num_tokens
+
+    def tensors(self) -> tuple:
+        """`(tokens (B, K), valid (B, K), codes (B,))`."""
+        c = self.committed
+        tokens, valid, match = context_lookup(c.ids, c.lengths, c.start, self.max_ngram, self.num_tokens)
+        return tokens, c.cut(tokens, valid), lookup_code(match)
+
+    def host(self) -> tuple:
+        """Row 0's `(tokens, code)` as lists."""
+        chain, match = latest_match(self.committed.row(), self.max_ngram, self.num_tokens)
+        return chain[:self.committed.depth()], lookup_code(match)
+
+
+class StoreBranch:
+    """A datastore's chain for each row's longest matching suffix (`TokenDatastore.propose_batch`), each node
+    coded by its support (`store_code`)."""
+
+    def __init__(self, committed: Committed, datastore, num_tokens: int):
+        self.committed, self.datastore, self.num_tokens = committed, datastore, num_tokens
+
+    def tensors(self) -> tuple:
+        """`(tokens (B, K), valid (B, K), codes (B, K))`."""
+        c = self.committed
+        tokens, valid, _, codes = self.datastore.propose_batch(c.ids, c.lengths, c.start, self.num_tokens)
+        return tokens, c.cut(tokens, valid), codes
+
+    def host(self) -> tuple:
+        """Row 0's `(tokens, codes)` as lists."""
+        depth = self.committed.depth()
+        row = self.committed.row()
+        chain, _, support = self.datastore.propose_with_support(row[-self.datastore.max_ngram:], self.num_tokens)
+        return chain[:depth], [store_code(*pair) for pair in support[:depth]]

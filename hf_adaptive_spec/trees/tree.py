@@ -1,4 +1,4 @@
-"""Draft trees: a batch of token trees padded to one node count, built level by level.
+"""The draft tree type: a batch of token trees padded to one node count, built level by level (`trees.build`).
 
 Node 0 of every row is the root: the last committed token, which the target
 has not yet processed. Nodes are stored level by level (parents before
@@ -31,7 +31,7 @@ class DraftTree:
         num_levels: depth of the deepest level present.
         draft_probs: for sampling, `(B, N, V)` the drafter distribution (processors applied) each processed
             node's children were drawn from (zeros for unprocessed nodes); None under greedy decoding.
-        lookup: `(B, N)` for nodes on the context-lookup chain (`hf_adaptive_spec.drafters.lookup`), the suffix length
+        lookup: `(B, N)` for nodes on the context-lookup chain (`hf_adaptive_spec.trees.branches`), the suffix length
             that found it, else 0; on the chain, `probs` > 0 marks a node the drafter proposed too. None when
             the tree has no lookup branch.
     """
@@ -174,6 +174,13 @@ class TreeBuilder:
             node_index = torch.where(node_index < 0, num_nodes, node_index)
             out.scatter_(1, node_index[..., None].expand(-1, -1, vocab), probs)
         return out[:, :num_nodes]
+
+
+def one_cpu_row(tree: DraftTree) -> bool:
+    """Whether `tree` is one row on a CPU without padding nodes: the case host lists serve (the tree's builder,
+    the cost rule's pruning and calibration, the planner's counts), as `ops` runs one CPU row on the host."""
+    tokens = tree.tokens
+    return tokens.shape[0] == 1 and tokens.device.type == "cpu" and bool(tree.valid.all())
 
 
 def compact_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -1,8 +1,10 @@
-"""The per-level step every drafter shares: offer each frontier node its top-K candidates, let the strategy
-choose, and gather the chosen children (and those to expand) into padded `(B, W)` tensors.
+"""The tensor builder's per-level step: offer each frontier node its top-K candidates, let the round's selection
+choose, and gather the chosen children (and those to expand) into padded `(B, W)` tensors; with the frontier
+type and the budget cut that selections share.
 
 Drafters differ only in where the next frontier's logits come from (an independent model runs the expanded
-children; a block drafter reads its next block position) and in the drafter cache slots they record.
+children; a block drafter reads its next block position) and in the drafter cache slots they record
+(`trees.build`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,44 @@ from dataclasses import dataclass
 
 import torch
 
-from ..strategies import Frontier
 from .tree import compact_true
+
+
+@dataclass
+class Frontier:
+    """Nodes of depth `level - 1` whose children are being chosen.
+
+    Fields (B = batch, F = frontier width):
+        probs: `(B, F)` each node's drafter probability given its parent (root: 1).
+        cum_probs: `(B, F)` product of probs along the path (root: 1).
+        valid: `(B, F)` False for padding.
+    """
+
+    probs: torch.Tensor
+    cum_probs: torch.Tensor
+    valid: torch.Tensor
+
+
+def descending_rank(scores: torch.Tensor) -> torch.Tensor:
+    """`(B, X)` position of each entry in its row's descending order (ties: lower index first)."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(scores.shape[1], device=scores.device).expand_as(order))
+    return rank
+
+
+def limit_to_budget(take: torch.Tensor, frontier: Frontier, candidate_probs: torch.Tensor, left: torch.Tensor,
+                    sampling: bool) -> torch.Tensor:
+    """`take` `(B, F, K)` cut per row to its `left` `(B,)` best candidates.
+
+    Greedy: the highest path probabilities. Sampling: a drawn child may only be dropped for what came before
+    it (its parent's path probability, earlier draws), never for its own drawn value, or the draws would no
+    longer follow q.
+    """
+    cum = frontier.cum_probs[..., None] * candidate_probs  # (B, F, K)
+    priority = frontier.cum_probs[..., None].expand_as(cum) if sampling else cum
+    rank = descending_rank(torch.where(take, priority, -1.0).flatten(1))
+    return take & (rank < left[:, None]).view_as(take)
 
 
 @dataclass
@@ -60,13 +98,15 @@ class Level:
         return tokens, parent, new_paths, nodes, frontier
 
 
-def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch.Tensor, logits: torch.Tensor | None,
+def choose_level(select, level: int, frontier: Frontier, frontier_nodes: torch.Tensor, logits: torch.Tensor | None,
                  k: int, max_depth: torch.Tensor, builder, sample: bool, generator=None,
                  may_expand: bool = True, candidates: tuple | None = None,
                  stop_tokens: torch.Tensor | None = None) -> Level | None:
-    """Children of the frontier at `level`, or None when the strategy takes none.
+    """Children of the frontier at `level`, or None when the selection takes none.
 
     Args:
+        select (callable): the round's per-level choice, `select(level, frontier, candidate_probs (B, F, K))`
+            -> `(take, expand)` `(B, F, K)` bool (`trees.selection`).
         logits (`torch.FloatTensor` of shape `(B, F, V)`): processed drafter logits at the frontier (q); None
             when `candidates` are given.
         k (`int`): candidates offered per node.
@@ -94,7 +134,7 @@ def choose_level(strategy, level: int, frontier: Frontier, frontier_nodes: torch
         top_probs = probs.gather(-1, top_tokens)
     else:
         top_probs, top_tokens = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # (B, F, K)
-    take, expand = strategy.select(level, frontier, top_probs)
+    take, expand = select(level, frontier, top_probs)
     take = take & (top_probs > 0) & frontier.valid[..., None] & (level <= max_depth)[:, None, None]
     expand = expand & take & (level < max_depth)[:, None, None] & may_expand
     if stop_tokens is not None:

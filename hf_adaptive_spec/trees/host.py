@@ -1,11 +1,12 @@
-"""The batch-1 CPU backend of a block drafter's greedy tree: the same `DraftTree`, built with Python lists.
+"""The builder's host backend (`trees.build`): one CPU row's greedy tree over per-depth candidates, the same
+`DraftTree`, built with Python lists; and the row's context lookup (`latest_match`).
 
 At batch 1, under greedy decoding with no logits processors, a block drafter offers every node of depth d the
-same top-k of the depth-d distribution, and a budget strategy (`laspec`) keeps, level by level, the children
-of highest path probability until `n_max` nodes are taken. The generic path (`levels.choose_level`, the
-`TreeBuilder`, `lookup.add_chain`) does this with ~40 small tensor ops per level; here it is a few dozen
-Python comparisons over the `(depth, k)` candidates, and the context-lookup and datastore chains are found and
-merged on the same lists, converted to one `DraftTree` at the end. It is a backend of the same operations, as
+same top-k of the depth-d distribution; a budget selection (`laspec`) keeps, level by level, the children of
+highest path probability until `n_max` nodes are taken, a shape selection exactly its rank paths. The tensor
+path (`levels.choose_level`, the `TreeBuilder`, `branches.add_chain`) does this with ~40 small tensor ops per
+level; here it is a few dozen Python comparisons over the `(depth, k)` candidates, and the context-lookup and
+datastore chains are found and merged on the same lists, converted to one `DraftTree` at the end. It is a backend of the same operations, as
 `ops.host` is for the per-round tree ops: the result equals the generic path's tree field for field (path
 probabilities are rounded to float32 after every product, as the tensors are), which `tests/test_host_tree.py`
 checks on random, tied and truncated cases.
@@ -47,7 +48,7 @@ class _RowBuilder:
 
     def add_chain(self, chain: list[int], match) -> None:
         """Hang `chain` under the root, sharing nodes where its next token is already a child (as
-        `lookup.add_chain`): chain nodes get `lookup` = `match` (one code, or a list with one per chain node),
+        `branches.add_chain`): chain nodes get `lookup` = `match` (one code, or a list with one per chain node),
         appended ones drafter probability 0. A second chain (the context's after a datastore's) merges the same
         way; a shared node takes the later code."""
         if self.lookup is None:
@@ -86,7 +87,7 @@ class _RowBuilder:
 def budget_tree(root: int, probs: list[list[float]], tokens: list[list[int]], budget: int, chains=(),
                 device=None) -> DraftTree:
     """The tree of a budget strategy over shared per-depth candidates (`laspec`'s `select` with
-    `limit_to_budget`, greedy), with `chains` hung under the root (`lookup.add_chain`).
+    `limit_to_budget`, greedy), with `chains` hung under the root (`branches.add_chain`).
 
     Args:
         root: the pending root token.
@@ -154,7 +155,7 @@ def shape_tree(root: int, probs: list[list[float]], tokens: list[list[int]], pat
 
 def latest_match(row: list[int], max_ngram: int, num_tokens: int) -> tuple[list[int], int]:
     """`(tokens, n)`: the (up to `num_tokens`) tokens that followed the latest earlier occurrence of `row`'s
-    longest matching suffix of length n <= `max_ngram` (`lookup.context_lookup` for one row), or `([], 0)`."""
+    longest matching suffix of length n <= `max_ngram` (`branches.context_lookup` for one row), or `([], 0)`."""
     length = len(row)
     if length < 2:
         return [], 0
