@@ -6,8 +6,8 @@
 budget between the two: it answers the prompts in chunks (shuffled, so any prefix mixes the sources) until
 `--data-fraction` of the budget is spent, then trains with what is left (`TrainConfig.max_seconds`) and saves
 the folder with its model card. On one H200 (2026-11-30): 5120 prompts x 2 answers in 165 s (SmolLM2-135M,
-batches of 512), then 85 ms per training step at 16 sequences x 32 anchors (docs/benchmarks.md,
-training drafters).
+batches of 512), then 85 ms per training step at 16 sequences x 32 anchors (CHANGELOG.md,
+2026-11-30).
 
 With HF_ADAPTIVE_SPEC_EXAMPLES=tiny, a tiny random-weight target stands in for --target (seconds, nothing
 downloaded; CI runs it so):

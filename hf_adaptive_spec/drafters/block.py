@@ -46,7 +46,7 @@ __all__ = ["BlockDrafter", "CLOSED_GATE", "choose_visual_slots", "image_token_ma
 
 #: A visual branch whose every gate has |tanh(g)| at or below this is closed: it adds at most 0.1% of its
 #: cross-attention output to the hidden state. Measured on `laspec-scenes-vlm-135m` (tanh(g) = 6e-4), M = 0, 1, 2,
-#: 4, 8, 16 and 64 visual tokens gave the same drafts' tau and grounded acceptance (docs/benchmarks.md), so such a
+#: 4, 8, 16 and 64 visual tokens gave the same drafts' tau and grounded acceptance (CHANGELOG.md, 2026-12-07), so such a
 #: drafter runs without its visual branch: no query capture, no key store, no selection.
 CLOSED_GATE = 1e-3
 

@@ -3,7 +3,7 @@
 A drafter only proposes tokens; the target decides every one of them, so a
 cheaper, slightly less accurate drafter never changes the output. On a CPU
 a drafter forward is bound by reading its fp32 weights: int8 weights about
-halve its cost (figures in docs/benchmarks.md), which moves the break-even
+halve its cost (figures in CHANGELOG.md), which moves the break-even
 point of speculation a long way. Never apply this to the
 target.
 """

@@ -50,7 +50,7 @@ class LaSpecDrafterConfig(PreTrainedConfig):
         context_without_image (`bool`, defaults to `False`): the context leaves out the target's states at the
             image's positions (trained and drafted alike), so that what the drafter knows of the image comes
             through the text positions' states and its visual branch only (an experiment on the redundant route:
-            docs/benchmarks.md).
+            CHANGELOG.md, 2026-12-07).
 
     Examples:
         >>> config = LaSpecDrafterConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64,
