@@ -129,3 +129,12 @@ def fake_clock(_fixed_cost_curve):
     """The `FakeClock` of a `measured_cost` test (to charge costs of its own)."""
     assert isinstance(_fixed_cost_curve, FakeClock), "fake_clock is for tests marked measured_cost"
     return _fixed_cost_curve
+
+
+@pytest.fixture
+def often_switching():
+    """The interpreter switches threads every microsecond (not every 5 ms): many more interleavings per call."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(interval)

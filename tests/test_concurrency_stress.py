@@ -18,7 +18,6 @@ fails every time, and the first test failed 2 of 2 runs (1-2 of its 3 seeds each
 from __future__ import annotations
 
 import random
-import sys
 import threading
 
 import pytest
@@ -56,15 +55,6 @@ class CallClock:
     def charge(self, model, tokens: int) -> None:
         parameters = sum(p.numel() for p in model.parameters())
         self.seconds += self.fixed + self.per_token * tokens + self.per_parameter * parameters * (1 + tokens / 10)
-
-
-@pytest.fixture
-def often_switching():
-    """The interpreter switches threads every microsecond (not every 5 ms): many more interleavings per call."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(interval)
 
 
 @pytest.fixture

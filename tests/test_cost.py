@@ -551,3 +551,45 @@ def test_rows_of_one_batch_verify_their_own_sizes_and_stay_exact(strategy, monke
     assert counts_seen and any(len(set(counts.tolist())) > 1 for counts in counts_seen)
 
 
+
+
+def test_threads_storing_one_curve_never_leave_a_partial_file(tmp_path, monkeypatch, often_switching):
+    """Threads that store the same key at once (calls sharing a target refine its curve as they end) each write a
+    file of their own and move it into place: every read of the stored file parses, and the last one stored is
+    whole (one temporary file per process, shared by its threads, let a writer truncate what another had just
+    moved into place)."""
+    import threading
+
+    monkeypatch.setenv("HF_ADAPTIVE_SPEC_COST_CACHE", str(tmp_path))
+    profiles = [CostProfile(sizes=list(range(1, 200)), seconds=[0.01 * (i + k) for k in range(1, 200)], key="shared",
+                            source="measured") for i in range(4)]
+    path = cost_store._profile_path("shared")
+    bad, done = [], threading.Event()
+
+    def write(profile):
+        for _ in range(150):
+            cost_store._store(profile)
+
+    def read():
+        while not done.is_set():
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                continue
+            try:
+                json.loads(text)
+            except ValueError:
+                bad.append(len(text))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(profile,)) for profile in profiles]
+    for thread in writers:
+        thread.start()
+    for thread in writers:
+        thread.join()
+    done.set()
+    reader.join()
+    assert not bad, f"{len(bad)} partial reads"
+    assert json.loads(path.read_text())["seconds"] in [p.seconds for p in profiles]
+    assert not list(tmp_path.glob("*.tmp"))

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import statistics
+import threading
 from pathlib import Path
 
 import torch
@@ -58,7 +59,7 @@ def _store(profile: CostProfile, use_disk: bool = True) -> None:
     path = _profile_path(profile.key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer: threads too
         tmp.write_text(json.dumps(profile.to_dict()))
         tmp.replace(path)
     except OSError:
